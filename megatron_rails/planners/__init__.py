@@ -1,0 +1,28 @@
+"""Planners: turn exact per-rank token counts into a placement of expert replicas and a token route.
+
+`make_planner(name, cfg)` builds one by policy name; see docs/policies.md for when to choose which.
+"""
+from __future__ import annotations
+
+from .base import Planner, PlannerBase, PlannerConfig, PlannerError
+from .eplb import EplbPlanner
+from .fsep import FsepPlanner
+from .lp import LpPlanner
+from .none import NonePlanner
+from .ultraep import UltraEPPlanner
+
+PLANNERS: dict[str, type[PlannerBase]] = {
+    cls.name: cls for cls in (NonePlanner, EplbPlanner, FsepPlanner, UltraEPPlanner, LpPlanner)
+}
+POLICIES = tuple(PLANNERS)
+
+
+def make_planner(name: str, cfg: PlannerConfig) -> PlannerBase:
+    try:
+        cls = PLANNERS[name]
+    except KeyError:
+        raise PlannerError(f"unknown policy {name!r}; choose one of {', '.join(POLICIES)}") from None
+    return cls(cfg)
+
+
+__all__ = ["Planner", "PlannerBase", "PlannerConfig", "PlannerError", "PLANNERS", "POLICIES", "make_planner"]
