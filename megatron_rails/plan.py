@@ -6,8 +6,9 @@ Shape legend (suffixes on array names):
     R  replicas: every filled (rank, slot), numbered in (expert, rank) order
     M  route entries (one per source rank and replica that exchange tokens)
 
-A `Placement` is frozen and validated on construction; a `Plan` adds the token route and checks it
-against the exact counts it was planned for. Both hash to a stable hex digest that is identical on every
+A `Placement` is frozen and validated on construction; a `Plan` adds how many tokens every replica
+computes and checks them against the exact counts it was planned for; the token route follows from
+those by one deterministic rule. Both hash to a stable hex digest that is identical on every
 rank and in every process for the same content, which the dispatcher can all-reduce to detect
 inconsistent plans. All arrays are int64 and read-only.
 """
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
-from functools import cached_property
+from functools import cached_property, lru_cache
 from typing import Sequence
 
 import numpy as np
@@ -43,7 +44,11 @@ def _frozen_i64(a, name: str, ndim: int) -> np.ndarray:
 
 def check_counts(counts_DE, num_ranks: int | None = None, num_experts: int | None = None) -> np.ndarray:
     """Validate a token-count matrix: int64 [D, E], non-negative. Returns a read-only int64 copy."""
-    counts = _frozen_i64(counts_DE, "counts_DE", 2)
+    if isinstance(counts_DE, np.ndarray) and counts_DE.dtype == np.int64 and counts_DE.ndim == 2 \
+            and not counts_DE.flags.writeable and counts_DE.base is None:
+        counts = counts_DE  # already a frozen int64 copy (the planners pass theirs on to Plan)
+    else:
+        counts = _frozen_i64(counts_DE, "counts_DE", 2)
     if num_ranks is not None and counts.shape[0] != num_ranks:
         raise PlanError(f"counts_DE has {counts.shape[0]} rows, expected one per rank ({num_ranks})")
     if num_experts is not None and counts.shape[1] != num_experts:
@@ -114,11 +119,9 @@ class Placement:
     # -- constructors ---------------------------------------------------------------------------
     @classmethod
     def owner(cls, num_experts: int, num_ranks: int, ranks_per_node: int,
-              redundant_DR: Sequence[Sequence[int]] | np.ndarray | None = None, slots: int = 0) -> "Placement":
+              redundant_DR: Sequence[Sequence[int]] | None = None, slots: int = 0) -> "Placement":
         """Owner layout with `slots` redundant slots per rank; redundant_DR[d] lists rank d's replicas."""
-        L = owner_slots_needed(num_experts, num_ranks)
-        se = np.full((num_ranks, L + slots), -1, dtype=np.int64)
-        se[:, :L] = _owner_block(num_experts, num_ranks, L)
+        ranks, experts = [], []
         if redundant_DR is not None:
             if len(redundant_DR) != num_ranks:
                 raise PlanError(f"redundant slots given for {len(redundant_DR)} ranks, expected {num_ranks}")
@@ -126,7 +129,31 @@ class Placement:
                 row = [int(x) for x in row if int(x) >= 0]
                 if len(row) > slots:
                     raise PlanError(f"rank {d}: {len(row)} replicas overflow its {slots} redundant slots")
-                se[d, L:L + len(row)] = row
+                ranks += [d] * len(row)
+                experts += row
+        return cls.owner_from_pairs(num_experts, num_ranks, ranks_per_node, slots, ranks, experts)
+
+    @classmethod
+    def owner_from_pairs(cls, num_experts: int, num_ranks: int, ranks_per_node: int, slots: int,
+                         rank_I, expert_I) -> "Placement":
+        """Owner layout plus replicas given as (rank_I[i], expert_I[i]) pairs (int [I]); a rank's
+        redundant slots fill in the order its pairs appear."""
+        L = owner_slots_needed(num_experts, num_ranks)
+        se = np.full((num_ranks, L + slots), -1, dtype=np.int64)
+        se[:, :L] = _owner_block(num_experts, num_ranks, L)
+        r = np.asarray(rank_I, dtype=np.int64)
+        if r.size:
+            if r.min() < 0 or r.max() >= num_ranks:
+                raise PlanError(f"replica rank out of range [0, {num_ranks})")
+            n_D = np.bincount(r, minlength=num_ranks)
+            if n_D.max() > slots:
+                d = int(np.argmax(n_D))
+                raise PlanError(f"rank {d}: {n_D[d]} replicas overflow its {slots} redundant slots")
+            order = np.argsort(r, kind="stable")
+            start = np.cumsum(n_D) - n_D
+            slot = np.empty_like(r)
+            slot[order] = np.arange(r.size) - start[r[order]]
+            se[r, L + slot] = np.asarray(expert_I, dtype=np.int64)
         return cls(se, num_experts, ranks_per_node, OWNER, L)
 
     @classmethod
@@ -155,10 +182,13 @@ class Placement:
     @cached_property
     def _replicas(self):
         se = self.slot_expert_DS
-        d, s = np.nonzero(se >= 0)
-        e = se[d, s]
-        order = np.lexsort((d, e))  # by expert, then rank
-        e, d, s = e[order], d[order], s[order]
+        flat = np.flatnonzero(se >= 0)
+        S = se.shape[1]
+        key = se.ravel()[flat] * self.num_ranks + flat // S  # by expert, then rank (unique per slot)
+        order = np.argsort(key, kind="stable")
+        flat = flat[order]
+        d, s = flat // S, flat % S
+        e = se.ravel()[flat]
         ptr = np.zeros(self.num_experts + 1, dtype=np.int64)
         np.cumsum(np.bincount(e, minlength=self.num_experts), out=ptr[1:])
         for a in (e, d, s, ptr):
@@ -213,32 +243,34 @@ class Placement:
         return h.hexdigest()
 
 
+@lru_cache(maxsize=64)
 def _owner_block(num_experts: int, num_ranks: int, L: int) -> np.ndarray:
-    """int64 [D, L]: owned experts of every rank, padded with -1."""
+    """int64 [D, L] (read-only, cached): owned experts of every rank, padded with -1."""
     owner = owner_of_experts(num_experts, num_ranks)
     first = np.searchsorted(owner, np.arange(num_ranks), side="left")
     idx = first[:, None] + np.arange(L)[None, :]
     ok = idx < num_experts
     ok[ok] = owner[idx[ok]] == np.nonzero(ok)[0]
-    return np.where(ok, idx, -1).astype(np.int64)
+    out = np.where(ok, idx, -1).astype(np.int64)
+    out.flags.writeable = False
+    return out
 
 
 @dataclass(frozen=True, eq=False)
 class Plan:
-    """A placement plus the token route for one layer and microbatch.
+    """A placement plus how many tokens every replica computes, for one layer and microbatch.
 
-    route_indptr: int64 [D+1]; source rank d's entries are route_indptr[d]:route_indptr[d+1]
-    route_rep_M:  int64 [M]; replica id of each entry, strictly increasing within a source row
-    route_tok_M:  int64 [M]; tokens > 0 that the source sends to that replica
-    For every source rank d and expert e the tokens over e's replicas sum exactly to counts_DE[d, e].
-    `info` carries planner diagnostics (lower bound, threshold...); it is not part of the hash.
+    quota_R: int64 [R]; tokens replica r computes. For every expert the quotas of its replicas sum
+             exactly to its tokens, counts_DE[:, e].sum().
+    The token route, how many tokens each source rank sends to each replica, is derived from the
+    quotas by one fixed rule (`route.split_by_quota`: same-node first, then in rank order), so every
+    rank derives the same route and the plan itself stays O(E + R) to build and to hash.
+    `info` carries planner diagnostics (threshold, lower bound...); it is not part of the hash.
     """
 
     placement: Placement
     counts_DE: np.ndarray
-    route_indptr: np.ndarray
-    route_rep_M: np.ndarray
-    route_tok_M: np.ndarray
+    quota_R: np.ndarray
     policy: str = ""
     info: dict = field(default_factory=dict, compare=False)
 
@@ -246,124 +278,116 @@ class Plan:
         p = self.placement
         counts = check_counts(self.counts_DE, p.num_ranks, p.num_experts)
         object.__setattr__(self, "counts_DE", counts)
-        ptr = _frozen_i64(self.route_indptr, "route_indptr", 1)
-        rep = _frozen_i64(self.route_rep_M, "route_rep_M", 1)
-        tok = _frozen_i64(self.route_tok_M, "route_tok_M", 1)
-        for name, a in (("route_indptr", ptr), ("route_rep_M", rep), ("route_tok_M", tok)):
-            object.__setattr__(self, name, a)
-        D, M = p.num_ranks, rep.size
-        if ptr.size != D + 1 or ptr[0] != 0 or ptr[-1] != M or np.any(np.diff(ptr) < 0):
-            raise PlanError(f"route_indptr must be non-decreasing from 0 to {M} with {D + 1} entries")
-        if tok.size != M:
-            raise PlanError(f"route has {M} replica ids but {tok.size} token counts")
-        if M and (rep.min() < 0 or rep.max() >= p.num_replicas):
-            bad = int(np.flatnonzero((rep < 0) | (rep >= p.num_replicas))[0])
-            raise PlanError(f"route entry {bad} names replica {rep[bad]}; the placement has {p.num_replicas}")
-        if M and tok.min() <= 0:
-            bad = int(np.flatnonzero(tok <= 0)[0])
-            kind = "negative" if tok[bad] < 0 else "zero (canonical routes hold positive counts only)"
-            raise PlanError(f"route entry {bad} (source {self.src_M[bad]}) sends {tok[bad]} tokens: {kind}")
-        src = self.src_M
-        if M > 1:
-            same_row = src[1:] == src[:-1]
-            if np.any(same_row & (rep[1:] <= rep[:-1])):
-                raise PlanError("route replica ids must be strictly increasing within each source row")
-        got = np.zeros_like(counts)
-        np.add.at(got, (src, p.replica_expert_R[rep]), tok)
-        if not np.array_equal(got, counts):
-            d, e = np.argwhere(got != counts)[0]
+        quota = _frozen_i64(self.quota_R, "quota_R", 1)
+        object.__setattr__(self, "quota_R", quota)
+        if quota.size != p.num_replicas:
+            raise PlanError(f"quota_R has {quota.size} entries, the placement has {p.num_replicas} replicas")
+        if quota.size and quota.min() < 0:
+            r = int(np.argmin(quota))
+            raise PlanError(f"replica {r} (expert {p.replica_expert_R[r]} on rank {p.replica_rank_R[r]}) "
+                            f"has a negative token count {quota[r]}")
+        got_E = np.bincount(p.replica_expert_R, weights=quota, minlength=p.num_experts).astype(np.int64)
+        if not np.array_equal(got_E, self.load_E):
+            e = int(np.flatnonzero(got_E != self.load_E)[0])
             hosts = p.replica_rank_R[p.expert_ptr[e]:p.expert_ptr[e + 1]].tolist()
-            raise PlanError(f"route from rank {d} for expert {e} carries {got[d, e]} tokens but "
-                            f"counts_DE[{d}, {e}] = {counts[d, e]} (expert {e} is hosted on ranks {hosts})")
+            if not hosts:
+                raise PlanError(f"expert {e} has {self.load_E[e]} tokens but no rank hosts it")
+            raise PlanError(f"expert {e}: its replicas on ranks {hosts} compute {got_E[e]} tokens, "
+                            f"but {self.load_E[e]} are routed to it")
 
     # -- constructors ---------------------------------------------------------------------------
     @classmethod
-    def from_entries(cls, placement: Placement, counts_DE, src_M, rep_M, tok_M, policy: str = "",
-                     info: dict | None = None) -> "Plan":
-        """Canonicalize raw (source, replica, tokens) triples (any order, duplicates summed,
-        zeros dropped) and validate. Negative token counts are rejected, not netted out."""
-        src = np.asarray(src_M, dtype=np.int64).ravel()
-        rep = np.asarray(rep_M, dtype=np.int64).ravel()
-        tok = np.asarray(tok_M, dtype=np.int64).ravel()
-        if not (src.size == rep.size == tok.size):
-            raise PlanError("route triples must have equal lengths")
-        if tok.size and tok.min() < 0:
-            bad = int(np.flatnonzero(tok < 0)[0])
-            raise PlanError(f"route entry {bad} (source {src[bad]}, replica {rep[bad]}) has negative tokens {tok[bad]}")
-        D, R = placement.num_ranks, max(placement.num_replicas, 1)
-        if src.size and (src.min() < 0 or src.max() >= D):
-            raise PlanError(f"route source rank out of range [0, {D})")
-        if rep.size and (rep.min() < 0 or rep.max() >= placement.num_replicas):
-            raise PlanError(f"route replica id out of range [0, {placement.num_replicas})")
-        keep = tok > 0
-        key = src[keep] * R + rep[keep]
-        tok = tok[keep]
-        order = np.argsort(key, kind="stable")
-        key, tok = key[order], tok[order]
-        if key.size:
-            start = np.flatnonzero(np.r_[True, key[1:] != key[:-1]])
-            tok = np.add.reduceat(tok, start)
-            key = key[start]
-        src, rep = key // R, key % R
-        ptr = np.zeros(D + 1, dtype=np.int64)
-        np.cumsum(np.bincount(src, minlength=D), out=ptr[1:])
-        return cls(placement, counts_DE, ptr, rep, tok, policy, dict(info or {}))
-
-    @classmethod
     def from_quotas(cls, placement: Placement, counts_DE, quota_R, policy: str = "",
                     info: dict | None = None) -> "Plan":
-        """Route tokens so that replica r receives exactly quota_R[r] tokens, sending as few tokens
-        across nodes as these quotas allow (see `route.split_by_quota`)."""
-        from .route import split_by_quota
+        return cls(placement, counts_DE, quota_R, policy, dict(info or {}))
 
-        counts = check_counts(counts_DE, placement.num_ranks, placement.num_experts)
-        src, rep, tok = split_by_quota(counts, placement, quota_R)
-        return cls.from_entries(placement, counts, src, rep, tok, policy, info)
+    @classmethod
+    def from_expert_ranks(cls, placement: Placement, counts_DE, expert_M, rank_M, tok_M, policy: str = "",
+                          info: dict | None = None) -> "Plan":
+        """Build from (expert, rank, tokens) triples, e.g. a solver's per-rank assignment.
+        Raises PlanError for tokens on a rank that does not host the expert or negative counts;
+        triples for the same (expert, rank) add up."""
+        p = placement
+        e = np.asarray(expert_M, dtype=np.int64).ravel()
+        d = np.asarray(rank_M, dtype=np.int64).ravel()
+        t = np.asarray(tok_M, dtype=np.int64).ravel()
+        if not (e.size == d.size == t.size):
+            raise PlanError("expert, rank and token arrays must have equal lengths")
+        if t.size and t.min() < 0:
+            i = int(np.argmin(t))
+            raise PlanError(f"{t[i]} tokens of expert {e[i]} on rank {d[i]}: token counts must be >= 0")
+        if e.size and (e.min() < 0 or e.max() >= p.num_experts or d.min() < 0 or d.max() >= p.num_ranks):
+            raise PlanError(f"(expert, rank) out of range [0, {p.num_experts}) x [0, {p.num_ranks})")
+        keys = p.replica_expert_R * p.num_ranks + p.replica_rank_R  # ascending: replicas sorted by (e, d)
+        want = e * p.num_ranks + d
+        idx = np.searchsorted(keys, want)
+        miss = (idx >= keys.size) | (keys[np.minimum(idx, max(keys.size - 1, 0))] != want) if keys.size else want >= 0
+        miss &= t > 0
+        if np.any(miss):
+            i = int(np.flatnonzero(miss)[0])
+            raise PlanError(f"{t[i]} tokens of expert {e[i]} sent to rank {d[i]}, which does not host it")
+        ok = t > 0
+        quota = np.bincount(idx[ok], weights=t[ok], minlength=p.num_replicas).astype(np.int64)
+        return cls(placement, counts_DE, quota, policy, dict(info or {}))
 
     # -- derived figures --------------------------------------------------------------------------
     @cached_property
-    def src_M(self) -> np.ndarray:
-        D = self.placement.num_ranks
-        return np.repeat(np.arange(D, dtype=np.int64), np.diff(self.route_indptr))
+    def load_E(self) -> np.ndarray:
+        """int64 [E]: tokens routed to each expert."""
+        return self.counts_DE.sum(axis=0)
 
-    @cached_property
-    def tokens_R(self) -> np.ndarray:
-        """int64 [R]: tokens each replica computes."""
-        return np.bincount(self.route_rep_M, weights=self.route_tok_M,
-                           minlength=self.placement.num_replicas).astype(np.int64)
-
-    @cached_property
+    @property
     def load_D(self) -> np.ndarray:
         """int64 [D]: tokens each rank's experts compute (the compute load)."""
         p = self.placement
-        return np.bincount(p.replica_rank_R, weights=self.tokens_R, minlength=p.num_ranks).astype(np.int64)
+        return np.bincount(p.replica_rank_R, weights=self.quota_R, minlength=p.num_ranks).astype(np.int64)
 
     @property
     def max_over_mean(self) -> float:
         return imbalance(self.load_D)
 
     @cached_property
+    def route(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """CSR token route (route_indptr int64 [D+1], rep_M int64 [M], tok_M int64 [M]): source rank
+        d sends tok_M[i] > 0 tokens to replica rep_M[i] for i in route_indptr[d]:route_indptr[d+1],
+        replica ids strictly increasing within a row."""
+        from .route import split_by_quota, to_csr
+
+        src, rep, tok = split_by_quota(self.counts_DE, self.placement, self.quota_R)
+        return to_csr(self.placement.num_ranks, max(self.placement.num_replicas, 1), src, rep, tok)
+
+    def route_DR(self) -> np.ndarray:
+        """Dense int64 [D, R] route (for tests and small cases)."""
+        ptr, rep, tok = self.route
+        out = np.zeros((self.placement.num_ranks, self.placement.num_replicas), dtype=np.int64)
+        out[np.repeat(np.arange(ptr.size - 1), np.diff(ptr)), rep] = tok
+        return out
+
+    @cached_property
     def cross_node_tokens(self) -> int:
+        """Tokens whose source and computing replica sit on different nodes. The route keeps every
+        expert's tokens inside a node up to that node's quota, so this is
+        sum over (expert, node) of max(0, tokens from the node - quota on the node)."""
         p = self.placement
-        dst_node = p.node_D[p.replica_rank_R[self.route_rep_M]]
-        return int(self.route_tok_M[p.node_D[self.src_M] != dst_node].sum())
+        n_nodes = p.num_ranks // p.ranks_per_node
+        supply_NE = self.counts_DE.reshape(n_nodes, p.ranks_per_node, -1).sum(axis=1)
+        quota_NE = np.zeros_like(supply_NE)
+        np.add.at(quota_NE, (p.node_D[p.replica_rank_R], p.replica_expert_R), self.quota_R)
+        return int(np.maximum(supply_NE - quota_NE, 0).sum())
 
     @cached_property
     def send_DD(self) -> np.ndarray:
         """int64 [D, D]: tokens rank i sends to rank j (the all-to-all's split sizes, in tokens)."""
         p, D = self.placement, self.placement.num_ranks
-        flat = self.src_M * D + p.replica_rank_R[self.route_rep_M]
-        return np.bincount(flat, weights=self.route_tok_M, minlength=D * D).astype(np.int64).reshape(D, D)
-
-    @cached_property
-    def active_moved_R(self) -> np.ndarray:
-        """bool [R]: replicas that receive tokens and whose weights are not already on their rank."""
-        return self.placement.is_moved_R & (self.tokens_R > 0)
+        ptr, rep, tok = self.route
+        src = np.repeat(np.arange(D), np.diff(ptr))
+        flat = src * D + p.replica_rank_R[rep]
+        return np.bincount(flat, weights=tok, minlength=D * D).astype(np.int64).reshape(D, D)
 
     @property
     def weight_moves(self) -> int:
-        """Expert weight copies this plan materializes (replicas with tokens that are not owners)."""
-        return int(self.active_moved_R.sum())
+        """Expert weight copies this plan materializes: replicas with tokens that are not owners."""
+        return int((self.placement.is_moved_R & (self.quota_R > 0)).sum())
 
     def weight_bytes(self, expert_param_bytes: int) -> int:
         """Expert-weight bytes moved over the network for this plan. An owner-layout replica is one
@@ -374,18 +398,13 @@ class Plan:
             return int(self.weight_moves * expert_param_bytes * (D - 1) // D)
         return int(self.weight_moves * expert_param_bytes)
 
-    def route_DR(self) -> np.ndarray:
-        """Dense int64 [D, R] route (for tests and small cases)."""
-        out = np.zeros((self.placement.num_ranks, self.placement.num_replicas), dtype=np.int64)
-        out[self.src_M, self.route_rep_M] = self.route_tok_M
-        return out
-
     def digest(self) -> str:
-        """Stable hex digest of placement, counts and route (identical across ranks and processes)."""
+        """Stable hex digest of placement, counts and quotas (identical across ranks and processes);
+        the route is a deterministic function of these."""
         h = hashlib.sha256()
         h.update(self.placement.digest().encode())
         h.update(f"|{self.policy}|".encode())
-        for a in (self.counts_DE, self.route_indptr, self.route_rep_M, self.route_tok_M):
+        for a in (self.counts_DE, self.quota_R):
             h.update(str(a.shape).encode())
             h.update(np.ascontiguousarray(a).tobytes())
         return h.hexdigest()

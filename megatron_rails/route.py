@@ -93,3 +93,23 @@ def split_by_quota(counts_DE: np.ndarray, placement: Placement, quota_R) -> tupl
             parts.append((a_src[i], dem[j], amt))
     src, rep, tok = (np.concatenate(x) for x in zip(*parts))
     return src, rep, tok
+
+
+def to_csr(num_ranks: int, num_replicas: int, src_M, rep_M, tok_M):
+    """Canonical CSR of (source, replica, tokens) triples: sorted by (source, replica), duplicates
+    summed, zeros dropped. Returns (indptr int64 [D+1], rep int64 [M], tok int64 [M])."""
+    keep = tok_M > 0
+    key = src_M[keep] * num_replicas + rep_M[keep]
+    tok = tok_M[keep]
+    order = np.argsort(key, kind="stable")
+    key, tok = key[order], tok[order]
+    if key.size:
+        start = np.flatnonzero(np.r_[True, key[1:] != key[:-1]])
+        tok = np.add.reduceat(tok, start)
+        key = key[start]
+    ptr = np.zeros(num_ranks + 1, dtype=np.int64)
+    np.cumsum(np.bincount(key // num_replicas, minlength=num_ranks), out=ptr[1:])
+    out = (ptr, key % num_replicas, tok)
+    for a in out:
+        a.flags.writeable = False
+    return out

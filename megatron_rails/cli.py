@@ -1,0 +1,121 @@
+"""`megatron-rails` command line: plan, bench, demo."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import numpy as np
+
+from .plan import PlanError
+
+
+def _add_workload_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--ranks", type=int, default=8, help="expert-parallel size D")
+    p.add_argument("--experts", type=int, default=8, help="number of experts E")
+    p.add_argument("--topk", type=int, default=2, help="experts per token")
+    p.add_argument("--tokens-per-rank", type=int, default=4096, help="tokens each rank routes per step")
+    p.add_argument("--slots", type=int, default=1,
+                   help="R: expert slots per rank beyond ceil(E/D) (redundant replicas; fsep uses ceil(E/D)+R)")
+    p.add_argument("--ranks-per-node", type=int, default=8, help="ranks sharing a node (G)")
+    p.add_argument("--skew", default="zipf:1.2",
+                   help="uniform | zipf:S | drift:S[:P] | bursty:S[:F] | one | file:PATH")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--counts", help="a saved counts matrix (.npy/.json, [D,E]) instead of a generated one")
+
+
+def _counts_from_args(args) -> np.ndarray:
+    from .workloads import WorkloadSpec, counts, load_counts
+
+    if args.counts:
+        c = load_counts(args.counts)
+        while c.ndim > 2:  # a trace: plan its first step and layer
+            c = c[0]
+        return c
+    spec = WorkloadSpec(num_ranks=args.ranks, num_experts=args.experts, topk=args.topk,
+                        tokens_per_rank=args.tokens_per_rank, skew=args.skew, seed=args.seed)
+    return counts(spec)
+
+
+def cmd_plan(args) -> int:
+    from .planners import PlannerConfig
+    from .planning_report import measure, pin_one_core
+
+    pin_one_core()
+    counts = _counts_from_args(args)
+    D, E = counts.shape
+    cfg = PlannerConfig(D, E, args.ranks_per_node, args.slots, window=args.window, interval=args.interval,
+                        placement=args.placement)
+    row = measure(args.policy, cfg, counts, min_reps=args.repeats, budget_s=args.budget)
+    if args.json:
+        print(json.dumps(row))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"megatron-rails plan: {args.policy}, D={D}, E={E}, R={args.slots}")
+    table.add_column("figure")
+    table.add_column("value", justify="right")
+    for k, v in row.items():
+        table.add_row(k, f"{v:.4f}" if isinstance(v, float) else str(v))
+    Console().print(table)
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from . import benchmarks
+
+    if args.what == "planners":
+        benchmarks.bench_planners(args.out, quick=args.quick, plot=args.plot)
+        return 0
+    raise SystemExit(f"unknown benchmark {args.what!r}")
+
+
+def cmd_demo(args) -> int:
+    from .benchmarks import planner_demo
+
+    return planner_demo(json_out=args.json)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from .planners import POLICIES
+
+    parser = argparse.ArgumentParser(prog="megatron-rails", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("plan", help="plan one counts matrix with one policy and report balance and latency")
+    p.add_argument("--policy", required=True, choices=POLICIES)
+    _add_workload_args(p)
+    p.add_argument("--window", type=int, default=10, help="eplb: moving-average window (steps)")
+    p.add_argument("--interval", type=int, default=10, help="eplb: re-plan period (steps)")
+    p.add_argument("--placement", default="ultraep", help="lp: placement to schedule on (static|eplb|ultraep|fsep)")
+    p.add_argument("--repeats", type=int, default=50, help="minimum timed plan() calls")
+    p.add_argument("--budget", type=float, default=0.5, help="seconds spent timing (at least --repeats calls)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=cmd_plan)
+
+    b = sub.add_parser("bench", help="benchmarks; results as JSON (+ PNG)")
+    b.add_argument("what", choices=["planners"])
+    b.add_argument("--out", required=True, help="JSON output file")
+    b.add_argument("--plot", help="PNG output (default: next to --out)")
+    b.add_argument("--quick", action="store_true", help="a small grid for smoke runs")
+    b.set_defaults(func=cmd_bench)
+
+    d = sub.add_parser("demo", help="the main demo (currently: planner comparison on skewed workloads)")
+    d.add_argument("--json", action="store_true")
+    d.set_defaults(func=cmd_demo)
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except (PlanError, ValueError, FileNotFoundError) as err:
+        print(f"megatron-rails {args.command}: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,109 @@
+"""`ultraep`: exact-load quota planning with R redundant slots per rank (UltraEP's scheme).
+
+From the current step's exact counts: find the smallest integer load threshold T (binary search)
+for which the overloaded ranks can export their excess over T, hottest owned expert first, to ranks
+with slack below T and a free redundant slot. Exports go to same-node ranks first, then to the ranks
+with the most slack (so each export needs as few replicas, hence weight copies, as possible).
+Each export is a replica with an integer token quota; the owner keeps the rest of its expert.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..plan import Placement, Plan, owner_of_experts
+from .base import PlannerBase
+
+
+class UltraEPPlanner(PlannerBase):
+    name = "ultraep"
+
+    def check_config(self) -> None:
+        cfg = self.cfg
+        self._owner = owner_of_experts(cfg.num_experts, cfg.num_ranks)
+        self._node = (np.arange(cfg.num_ranks) // cfg.ranks_per_node).tolist()
+
+    def plan(self, counts_DE, state=None):
+        counts = self.counts(counts_DE)
+        cfg = self.cfg
+        D = cfg.num_ranks
+        load_E = counts.sum(axis=0)
+        base_D = np.bincount(self._owner, weights=load_E, minlength=D).astype(np.int64)
+        total = int(load_E.sum())
+        lo, hi = -(-total // D), int(base_D.max())
+        exports: list[tuple[int, int, int]] = []
+        threshold = hi
+        if hi > lo and cfg.slots > 0:
+            # each rank's owned experts, hottest first (ties to the lower id): the export order
+            order = np.lexsort((np.arange(load_E.size), -load_E, self._owner))
+            ptr = np.searchsorted(self._owner[order], np.arange(D + 1))
+            ctx = (load_E.tolist(), base_D.tolist(), order.tolist(), ptr.tolist())
+            found = self._exports(lo, *ctx)
+            if found is not None:
+                threshold, exports = lo, found
+            else:  # invariant: lo infeasible, hi feasible (no exports needed)
+                while hi - lo > 1:
+                    mid = (lo + hi) // 2
+                    found = self._exports(mid, *ctx)
+                    if found is None:
+                        lo = mid
+                    else:
+                        hi, exports = mid, found
+                threshold = hi
+        placement, quota = self._build(load_E, exports)
+        info = {"threshold": threshold, "mean_bound": -(-total // D), "exports": len(exports)}
+        return Plan.from_quotas(placement, counts, quota, policy=self.name, info=info), None
+
+    def _exports(self, T: int, load: list, base: list, order: list, ptr: list):
+        """Greedy export at threshold T: list of (expert, receiver rank, tokens), or None if the
+        redundant slots cannot absorb the excess."""
+        D, R, node = self.cfg.num_ranks, self.cfg.slots, self._node
+        slack = [T - b if b < T else 0 for b in base]
+        free = [R] * D
+        recv = sorted((d for d in range(D) if slack[d] > 0), key=lambda d: (-slack[d], d))
+        lists: dict[int, list[int]] = {-1: recv}  # per node, and -1 for all ranks
+        for d in recv:
+            lists.setdefault(node[d], []).append(d)
+        heads = dict.fromkeys(lists, 0)
+        givers = sorted((d for d in range(D) if base[d] > T), key=lambda d: (T - base[d], d))
+        out = []
+        for d in givers:
+            need = base[d] - T
+            for e in order[ptr[d]:ptr[d + 1]]:
+                left = min(need, load[e])
+                if left <= 0:
+                    break
+                need -= left
+                for key in (node[d], -1):
+                    lst = lists.get(key, ())
+                    i, n = heads.get(key, 0), len(lst)
+                    while left > 0 and i < n:
+                        r = lst[i]
+                        if slack[r] <= 0 or free[r] <= 0:
+                            i += 1
+                            continue
+                        take = left if left < slack[r] else slack[r]
+                        out.append((e, r, take))
+                        slack[r] -= take
+                        free[r] -= 1
+                        left -= take
+                    if lst:
+                        heads[key] = i
+                    if left == 0:
+                        break
+                if left > 0:
+                    return None
+        return out
+
+    def _build(self, load_E: np.ndarray, exports):
+        cfg = self.cfg
+        D, E = cfg.num_ranks, cfg.num_experts
+        ex = np.asarray(exports, dtype=np.int64).reshape(-1, 3)
+        placement = Placement.owner_from_pairs(E, D, cfg.ranks_per_node, cfg.slots, ex[:, 1], ex[:, 0])
+        keys = placement.replica_expert_R * D + placement.replica_rank_R  # ascending
+        quota = np.zeros(placement.num_replicas, dtype=np.int64)
+        owner_ids = np.searchsorted(keys, np.arange(E) * D + self._owner)
+        quota[owner_ids] = load_E
+        if ex.size:
+            quota[np.searchsorted(keys, ex[:, 0] * D + ex[:, 1])] = ex[:, 2]
+            np.subtract.at(quota, owner_ids[ex[:, 0]], ex[:, 2])
+        return placement, quota
