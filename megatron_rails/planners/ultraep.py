@@ -8,6 +8,8 @@ Each export is a replica with an integer token quota; the owner keeps the rest o
 """
 from __future__ import annotations
 
+from bisect import bisect_left, insort
+
 import numpy as np
 
 from ..plan import Placement, Plan, owner_of_experts
@@ -36,15 +38,8 @@ class UltraEPPlanner(PlannerBase):
             # each rank's owned experts, hottest first (ties to the lower id): the export order
             order = np.lexsort((np.arange(load_E.size), -load_E, self._owner))
             ptr = np.searchsorted(self._owner[order], np.arange(D + 1))
-            # receivers by most slack first = lowest base load first, for every threshold at once;
-            # per node (same-node exports first) and for the whole group (key -1)
-            by_base = np.lexsort((np.arange(D), base_D))
-            node = np.asarray(self._node)
-            recv = {-1: by_base.tolist()}
-            for n in range(D // cfg.ranks_per_node):
-                recv[n] = by_base[node[by_base] == n].tolist()
             givers = np.lexsort((np.arange(D), -base_D)).tolist()
-            ctx = (load_E.tolist(), base_D.tolist(), order.tolist(), ptr.tolist(), recv, givers)
+            ctx = (load_E.tolist(), base_D.tolist(), order.tolist(), ptr.tolist(), givers)
             threshold, exports = self._search(lo, hi, ctx)
         placement, quota = self._build(load_E, exports)
         info = {"threshold": threshold, "mean_bound": -(-total // D), "exports": len(exports)}
@@ -75,47 +70,51 @@ class UltraEPPlanner(PlannerBase):
                 good, best = mid, found
         return good, best
 
-    def _exports(self, T: int, load: list, base: list, order: list, ptr: list, recv: dict, givers: list):
+    def _exports(self, T: int, load: list, base: list, order: list, ptr: list, givers: list):
         """Greedy export at threshold T: list of (expert, receiver rank, tokens), or None if the
-        redundant slots cannot absorb the excess. recv[n] lists node n's ranks (recv[-1] all
-        ranks) by base load ascending; givers lists all ranks by base load descending."""
+        redundant slots cannot absorb the excess.
+
+        Givers go in order of excess, each exporting its hottest experts first. A piece goes to the
+        giver's node first, then anywhere: if a receiver there has room for the whole piece, the one
+        with the least room takes it (best fit, so big gaps stay for big pieces and no slot is
+        spent on a sliver); otherwise the receiver with the most room is filled and the rest moves
+        on. Receivers are kept as sorted (slack, rank) lists per node and for the whole group.
+        """
         D, R, node = self.cfg.num_ranks, self.cfg.slots, self._node
-        slack = [T - b for b in base]  # > 0 marks a receiver
+        slack = [T - b for b in base]
         free = [R] * D
-        heads = dict.fromkeys(recv, 0)
+        lists: dict[int, list] = {-1: []}
+        for r in range(D):
+            if slack[r] > 0:
+                lists[-1].append((slack[r], r))
+                lists.setdefault(node[r], []).append((slack[r], r))
+        for lst in lists.values():
+            lst.sort()
         out = []
         for d in givers:
             need = base[d] - T
             if need <= 0:
-                break  # givers are sorted: no one else is over T
+                break  # givers are sorted by base load: no one else is over T
             for e in order[ptr[d]:ptr[d + 1]]:
                 left = need if need < load[e] else load[e]
                 if left <= 0:
                     break
                 need -= left
                 for key in (node[d], -1):
-                    lst = recv[key]
-                    i, n = heads[key], len(lst)
-                    while left > 0 and i < n:
-                        r = lst[i]
-                        sl = slack[r]
-                        if sl <= 0:
-                            if base[r] >= T:
-                                i = n  # sorted by base: no receiver after this one either
-                                break
-                            i += 1
-                            continue
-                        if free[r] <= 0:
-                            i += 1
-                            continue
+                    lst = lists.get(key)
+                    while left > 0 and lst:
+                        i = bisect_left(lst, (left, -1))
+                        sl, r = lst[i] if i < len(lst) else lst[-1]
                         take = left if left < sl else sl
                         out.append((e, r, take))
+                        left -= take
                         slack[r] = sl - take
                         free[r] -= 1
-                        left -= take
-                    heads[key] = i
-                    if left == 0:
-                        break
+                        for k in (node[r], -1):  # re-file r under its new slack, or drop it
+                            ll = lists[k]
+                            del ll[bisect_left(ll, (sl, r))]
+                            if slack[r] > 0 and free[r] > 0:
+                                insort(ll, (slack[r], r))
                 if left > 0:
                     return None
         return out
