@@ -1,0 +1,295 @@
+"""Exact min-max token scheduling over a fixed placement (MicroMoE's per-microbatch LP, solved by max-flow).
+
+Problem: given load_E (int64 [E], tokens routed to every expert) and a Placement, choose quota_R
+(int64 [R], tokens every replica computes; an expert's quotas sum to its load) minimizing the largest
+rank load (sum of the quotas of the replicas on a rank).
+
+Experts with one replica are a fixed base load b_d on their rank; only experts with two or more replicas
+and tokens ("flexible", K of them) are decided. For a rank set Q let w(Q) = b(Q) + the load of flexible
+experts whose hosts all lie in Q. By max-flow/min-cut (Hall's condition) the fractional optimum is
+    T* = max over Q of w(Q) / |Q|,
+and T is feasible iff the network  source -> expert (cap load) -> host rank (cap inf) -> sink (cap T - b_d)
+carries every flexible token. Newton/Dinkelbach iteration: if T is infeasible, the source side Q of the
+min cut has w(Q)/|Q| > T; move T there. T is kept as an exact Fraction p/q and capacities are scaled by q,
+so every decision is integer arithmetic. The integer optimum is ceil(T*), and max-flow with integer
+capacities ceil(T*) - b_d returns integral flows, i.e. integer quotas reaching it.
+
+Legend: D ranks, E experts, R replicas, K flexible experts, M replicas of flexible experts, P ranks
+hosting a flexible expert. Everything is deterministic: no hashing, no floats, fixed iteration orders.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from fractions import Fraction
+
+import numpy as np
+
+from ..plan import Placement, PlanError
+
+
+@dataclass(frozen=True)
+class MinMaxResult:
+    """quota_R: int64 [R] tokens per replica; load_D: int64 [D] tokens per rank (max == t_int);
+    t_int: optimal integer max rank load; t_frac: exact fractional (LP) optimum; flows: max-flows run."""
+
+    quota_R: np.ndarray
+    load_D: np.ndarray
+    t_int: int
+    t_frac: Fraction
+    flows: int = 0
+
+
+def check_load(load_E, placement: Placement) -> np.ndarray:
+    """Validate load_E against a placement: int64 [E], non-negative, every loaded expert hosted."""
+    load = np.asarray(load_E)
+    if load.shape != (placement.num_experts,):
+        raise PlanError(f"load_E has shape {load.shape}, expected ({placement.num_experts},)")
+    if load.size and not np.issubdtype(load.dtype, np.integer):
+        raise PlanError(f"load_E must hold integers, got dtype {load.dtype}")
+    load = load.astype(np.int64, copy=False)
+    if load.size and load.min() < 0:
+        raise PlanError(f"expert {int(np.argmin(load))} has a negative load {load.min()}")
+    orphan = (load > 0) & (placement.replicas_per_expert_E == 0)
+    if orphan.any():
+        e = int(np.flatnonzero(orphan)[0])
+        raise PlanError(f"expert {e} has {load[e]} tokens but no replica in the placement")
+    return load
+
+
+def min_max_quotas(load_E, placement: Placement) -> MinMaxResult:
+    """Exact min-max quotas. load_E: int64 [E] (non-negative). Returns MinMaxResult.
+
+    Raises PlanError if an expert with tokens has no replica.
+    """
+    p = placement
+    load = check_load(load_E, p)
+    D, R = p.num_ranks, p.num_replicas
+    ptr, rank_R, n_E = p.expert_ptr, p.replica_rank_R, p.replicas_per_expert_E
+    quota = np.zeros(R, dtype=np.int64)
+    single = np.flatnonzero((n_E == 1) & (load > 0))
+    quota[ptr[single]] = load[single]
+    base = np.zeros(D, dtype=np.int64)
+    np.add.at(base, rank_R[ptr[single]], load[single])
+    flex = np.flatnonzero((n_E >= 2) & (load > 0))
+    total = int(load.sum())
+    if flex.size == 0:
+        t = int(base.max())
+        return _result(quota, base, t, Fraction(t))
+
+    net = _Network(load[flex], ptr[flex], n_E[flex], rank_R, base)
+    # Both are ratios w(Q)/|Q| of real rank sets (all ranks; the most loaded single rank), so T <= T*.
+    T = max(Fraction(total, D), Fraction(int(base.max())))
+    flows = 0
+    # Dinkelbach: each step's Q maximizes w(Q) - T|Q| and |Q| strictly shrinks from step to step,
+    # so at most P + 1 <= D + 1 solves reach T*.
+    for _ in range(D + 2):
+        flows += 1
+        if net.solve(T):
+            break
+        T = net.cut_ratio()
+    else:  # pragma: no cover - a bug guard; Newton on a finite set of ratios always terminates
+        raise RuntimeError(f"min_max_quotas: Newton iteration did not converge (T={T})")
+    t_int = -(-T.numerator // T.denominator)
+    if T.denominator != 1:
+        # the fractional flow at T* scaled down and floored is a feasible start for the integer problem
+        flows += 1
+        if not net.solve(Fraction(t_int)):  # pragma: no cover - t_int >= T* is feasible
+            raise RuntimeError(f"min_max_quotas: integer flow at {t_int} >= T*={T} infeasible")
+    quota[net.rep_M] = net.flow_M()
+    load_D = base.copy()
+    np.add.at(load_D, net.rank_P[net.node_M], quota[net.rep_M])
+    return _result(quota, load_D, t_int, T, flows)
+
+
+def _result(quota, load_D, t_int, t_frac, flows=0) -> MinMaxResult:
+    quota.flags.writeable = False
+    load_D.flags.writeable = False
+    return MinMaxResult(quota, load_D, int(t_int), t_frac, flows)
+
+
+class _Network:
+    """The flow network of the flexible experts, built once and re-solved for every T.
+
+    Nodes: 0 source, 1..K experts, K+1..K+P ranks, K+P+1 sink. Edge 2i and its reverse 2i+1:
+    source->expert k (i = k), expert->host (i = K + m for flexible replica m), rank->sink (i = K + M + j).
+    """
+
+    def __init__(self, load_K, ptr_K, n_K, rank_R, base_D):
+        K = load_K.size
+        M = int(n_K.sum())
+        kstart = np.zeros(K + 1, dtype=np.int64)
+        np.cumsum(n_K, out=kstart[1:])
+        k_M = np.repeat(np.arange(K, dtype=np.int64), n_K)
+        self.rep_M = np.arange(M, dtype=np.int64) + np.repeat(ptr_K - kstart[:-1], n_K)
+        rank_M = rank_R[self.rep_M]
+        hosts = np.zeros(base_D.size, dtype=bool)
+        hosts[rank_M] = True
+        self.rank_P = np.flatnonzero(hosts)  # ascending: node order does not depend on replica order
+        self.node_M = (np.cumsum(hosts) - 1)[rank_M]
+        P = self.rank_P.size
+        self.K, self.M, self.P = K, M, P
+        self.k_M, self.kstart = k_M, kstart
+        self.load_K, self.base_P = load_K, base_D[self.rank_P]
+        # Python-int copies: the flow loops run on lists, which are much faster to index than arrays
+        self.load, self.base = load_K.tolist(), self.base_P.tolist()
+        self.k_list, self.node_list, self.kstart_list = k_M.tolist(), self.node_M.tolist(), kstart.tolist()
+        self.flex_total = sum(self.load)
+        self.n, self.t = K + P + 2, K + P + 1
+        self._graph: tuple | None = None
+        self.f: list[int] = []  # flow per flexible replica after the last solve, in units of 1/q
+        self.q = 0  # units of the last solve (0: none yet)
+        self.level: list[int] = []
+
+    def graph(self) -> tuple[list, list]:
+        """(adj, to): adjacency edge lists per node and edge heads; built only when the greedy start
+        leaves something for Dinic to do."""
+        if self._graph is None:
+            K, M, P, t = self.K, self.M, self.P, self.t
+            to = np.empty(2 * (K + M + P), dtype=np.int64)
+            to[0:2 * K:2] = 1 + np.arange(K)
+            to[1:2 * K:2] = 0
+            to[2 * K:2 * (K + M):2] = 1 + K + self.node_M
+            to[2 * K + 1:2 * (K + M):2] = 1 + self.k_M
+            to[2 * (K + M)::2] = t
+            to[2 * (K + M) + 1::2] = 1 + K + np.arange(P)
+            rep_edges = list(range(2 * K, 2 * (K + M), 2))
+            ks = self.kstart_list
+            # experts: hosts first (the edge back to the source never lies on a level path)
+            adj = [list(range(0, 2 * K, 2))]
+            adj += [rep_edges[ks[k]:ks[k + 1]] + [2 * k + 1] for k in range(K)]
+            by_rank = np.argsort(self.node_M, kind="stable")
+            rs = np.searchsorted(self.node_M[by_rank], np.arange(P + 1)).tolist()
+            back = (2 * K + 2 * by_rank + 1).tolist()
+            # ranks: the sink first, so augmenting paths end as soon as they can
+            adj += [[2 * (K + M + j)] + back[rs[j]:rs[j + 1]] for j in range(P)]
+            adj.append(list(range(2 * (K + M) + 1, 2 * (K + M + P), 2)))
+            self._graph = (adj, to.tolist())
+        return self._graph
+
+    def solve(self, T: Fraction) -> bool:
+        """Max-flow at T = p/q with capacities scaled by q (whole tokens for an integer T). True iff
+        every flexible token fits.
+
+        T only grows between calls, so the previous flow rescaled to units of 1/q and floored stays
+        feasible and is the start; the first call starts from a first-fit greedy flow. Leaves the
+        replica flows in self.f and the last BFS levels (the min cut's source side) in self.level.
+        """
+        K, M, P = self.K, self.M, self.P
+        q0, p, q = self.q, T.numerator, T.denominator
+        src = [q * x for x in self.load]
+        res = [p - q * b for b in self.base]
+        if q0:
+            f = [x * q // q0 for x in self.f]
+            out = [0] * K
+            for m, a in enumerate(f):
+                out[self.k_list[m]] += a
+                res[self.node_list[m]] -= a
+        else:
+            f, out = [0] * M, [0] * K
+            node, ks = self.node_list, self.kstart_list
+            for k in range(K):
+                r = src[k]
+                for m in range(ks[k], ks[k + 1]):
+                    c = res[node[m]]
+                    if c > 0:
+                        a = r if r < c else c
+                        f[m] = a
+                        res[node[m]] = c - a
+                        r -= a
+                        if not r:
+                            break
+                out[k] = src[k] - r
+        self.q = q
+        need = sum(src) - sum(out)
+        if not need:  # the start routed everything: no residual graph needed
+            self.f = f
+            return True
+        inf = q * self.flex_total + 1
+        cap = [0] * (2 * (K + M + P))
+        cap[0:2 * K:2] = [s - o for s, o in zip(src, out)]
+        cap[1:2 * K:2] = out
+        cap[2 * K:2 * (K + M):2] = [inf - a for a in f]
+        cap[2 * K + 1:2 * (K + M):2] = f
+        cap[2 * (K + M)::2] = res
+        cap[2 * (K + M) + 1::2] = [p - q * b - r for b, r in zip(self.base, res)]
+        adj, to = self.graph()
+        pushed, self.level = _dinic(self.n, 0, self.t, adj, to, cap, need)
+        self.f = cap[2 * K + 1:2 * (K + M):2]  # flow of a replica edge = its reverse residual
+        return pushed == need
+
+    def flow_M(self) -> np.ndarray:
+        """int64 [M]: flow on every flexible replica (scaled units of the last solve)."""
+        return np.asarray(self.f, dtype=np.int64)
+
+    def cut_ratio(self) -> Fraction:
+        """w(Q) / |Q| for Q = ranks on the source side of the last (infeasible) solve's min cut."""
+        K, P = self.K, self.P
+        return self.set_ratio(np.asarray(self.level[K + 1:K + 1 + P]) >= 0)
+
+    def set_ratio(self, in_P: np.ndarray) -> Fraction:
+        """w(Q) / |Q| for the rank nodes Q marked in in_P (bool [P], not all False)."""
+        hosts_in = np.bincount(self.k_M[in_P[self.node_M]], minlength=self.K)
+        inside = hosts_in == np.diff(self.kstart)  # every host of the expert lies in Q
+        w = int(self.base_P[in_P].sum()) + int(self.load_K[inside].sum())
+        return Fraction(w, int(in_P.sum()))
+
+
+def _dinic(n: int, s: int, t: int, adj: list, to: list, cap: list, need: int):
+    """Dinic's max-flow on residual capacities `cap` (modified in place), stopping once `need` units
+    are pushed. Returns (pushed, level) with level[v] >= 0 iff v was reached by the last BFS."""
+    pushed = 0
+    level = [0] * n
+    while pushed < need:
+        level = [-1] * n
+        level[s] = 0
+        queue = [s]
+        append = queue.append
+        for v in queue:  # BFS; the list grows while we walk it
+            lv = level[v] + 1
+            if lv > level[t] >= 0:
+                break  # nodes at or beyond the sink's distance lie on no shortest path
+            for e in adj[v]:
+                if cap[e]:
+                    w = to[e]
+                    if level[w] < 0:
+                        level[w] = lv
+                        append(w)
+        if level[t] < 0:
+            break
+        it = [0] * n
+        path: list[int] = []
+        v = s
+        while True:  # blocking flow: iterative DFS along level-increasing edges
+            if v == t:
+                b = min(cap[e] for e in path)
+                for e in path:
+                    cap[e] -= b
+                    cap[e ^ 1] += b
+                pushed += b
+                if pushed >= need:
+                    break
+                i = 0
+                while cap[path[i]]:  # retreat to the tail of the first saturated edge
+                    i += 1
+                del path[i:]
+                v = to[path[-1]] if path else s
+                continue
+            a, i, lv = adj[v], it[v], level[v] + 1
+            na = len(a)
+            while i < na:
+                e = a[i]
+                if cap[e] and level[to[e]] == lv:
+                    break
+                i += 1
+            it[v] = i
+            if i < na:
+                path.append(e)
+                v = to[e]
+            elif v == s:
+                break
+            else:  # dead end: drop v from this phase and skip the edge that led here
+                level[v] = -1
+                path.pop()
+                v = to[path[-1]] if path else s
+                it[v] += 1
+    return pushed, level
