@@ -1,0 +1,59 @@
+"""Device-agnostic collectives for the dispatcher (gloo on CPU, NCCL on GPU), autograd-aware.
+
+This is the one place the token and weight all-to-alls go through; a communication backend (the
+direct all-to-all here, RailS's multi-phase schedule later) implements `AllToAll.exchange`.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+
+def all_gather_counts(counts_E: torch.Tensor, group) -> np.ndarray:
+    """counts_E: int64 [E] on this rank -> int64 numpy [D, E], identical on every rank of `group`."""
+    D = dist.get_world_size(group)
+    out = torch.empty((D, counts_E.numel()), dtype=torch.int64, device=counts_E.device)
+    dist.all_gather(list(out.unbind(0)), counts_E.to(torch.int64).contiguous(), group=group)  # gloo has no
+    return out.cpu().numpy()                                                               # all_gather_into_tensor
+
+
+def _a2a(x: torch.Tensor, out_splits: Sequence[int], in_splits: Sequence[int], group) -> torch.Tensor:
+    out = x.new_empty((int(sum(out_splits)),) + tuple(x.shape[1:]))
+    dist.all_to_all_single(out, x.contiguous(), list(map(int, out_splits)), list(map(int, in_splits)), group=group)
+    return out
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, out_splits, in_splits, group):
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        return _a2a(x, out_splits, in_splits, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        out_splits, in_splits = ctx.splits
+        # the reverse exchange: what we received from rank j goes back to rank j
+        return _a2a(grad, in_splits, out_splits, ctx.group), None, None, None
+
+
+def all_to_all(x: torch.Tensor, out_splits: Sequence[int], in_splits: Sequence[int], group) -> torch.Tensor:
+    """Uneven all-to-all along dim 0: rows in_splits[j] of x go to rank j; out_splits[j] rows come
+    from rank j. Differentiable: the backward is the reverse exchange."""
+    if dist.get_world_size(group) == 1:
+        return x
+    return _AllToAll.apply(x, list(out_splits), list(in_splits), group)
+
+
+class DirectAllToAll:
+    """The plain all-to-all (`comm: direct`)."""
+
+    name = "direct"
+
+    def __init__(self, group):
+        self.group = group
+
+    def exchange(self, x: torch.Tensor, send_D: Sequence[int], recv_D: Sequence[int]) -> torch.Tensor:
+        return all_to_all(x, recv_D, send_D, self.group)

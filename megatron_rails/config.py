@@ -1,0 +1,77 @@
+"""Policy configuration: which planner, its slot budget, and the communication backend.
+
+Loaded from YAML (`PolicyConfig.from_yaml`) or built directly; unknown keys and wrong types raise
+`ConfigError` naming the file and key.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+COMMS = ("direct", "rails")
+
+
+class ConfigError(ValueError):
+    """A configuration file or value is invalid."""
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    """policy: none | eplb | fsep | ultraep | lp.  slots: R (see PlannerConfig).  ranks_per_node: G
+    (0 = all EP ranks on one node).  comm: direct | rails.  check_plan: all-reduce the plan digest
+    every layer and raise on any mismatch (debug mode)."""
+
+    policy: str = "fsep"
+    slots: int = 1
+    ranks_per_node: int = 0
+    window: int = 10
+    interval: int = 10
+    placement: str = "ultraep"
+    comm: str = "direct"
+    check_plan: bool = False
+
+    def __post_init__(self):
+        from .planners import POLICIES
+
+        if self.policy not in POLICIES:
+            raise ConfigError(f"policy: unknown policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
+        if self.comm not in COMMS:
+            raise ConfigError(f"comm: must be one of {', '.join(COMMS)}, got {self.comm!r}")
+        for key in ("slots", "ranks_per_node", "window", "interval"):
+            v = getattr(self, key)
+            if isinstance(v, bool) or not isinstance(v, int) or v < (0 if key in ("slots", "ranks_per_node") else 1):
+                raise ConfigError(f"{key}: expected a {'non-negative' if key in ('slots', 'ranks_per_node') else 'positive'} "
+                                  f"integer, got {v!r}")
+        if not isinstance(self.check_plan, bool):
+            raise ConfigError(f"check_plan: expected true or false, got {self.check_plan!r}")
+
+    @classmethod
+    def from_dict(cls, data: dict, where: str = "<dict>") -> "PolicyConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise ConfigError(f"{where}: unknown key(s) {', '.join(unknown)}; valid keys: {', '.join(sorted(names))}")
+        try:
+            return cls(**data)
+        except ConfigError as err:
+            raise ConfigError(f"{where}: {err}") from None
+
+    @classmethod
+    def from_yaml(cls, path) -> "PolicyConfig":
+        import yaml
+
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"{p}: policy config file not found")
+        data = yaml.safe_load(p.read_text()) or {}
+        if not isinstance(data, dict):
+            raise ConfigError(f"{p}: expected a mapping of keys to values at the top level")
+        return cls.from_dict(data, str(p))
+
+    def planner_config(self, num_ranks: int, num_experts: int):
+        from .planners import PlannerConfig
+
+        G = self.ranks_per_node or num_ranks
+        return PlannerConfig(num_ranks, num_experts, min(G, num_ranks), self.slots, window=self.window,
+                             interval=self.interval, placement=self.placement)

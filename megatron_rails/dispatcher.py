@@ -1,0 +1,172 @@
+"""RailsTokenDispatcher: Megatron-Core token dispatcher that balances expert load with a planner.
+
+The six-step contract of `MoETokenDispatcher`, per layer and microbatch on each EP rank:
+  dispatch_preprocess  all-gather exact counts -> plan (every rank the same) -> order tokens by
+                       (destination rank, slot there)
+  token_dispatch       all-to-all of tokens and probs with the plan's split sizes
+  dispatch_postprocess group received tokens by slot; owner slots go to the stock experts, replica
+                       slots are computed here with weights fetched from their owners
+  combine_preprocess   stock outputs + replica outputs, back to the received order
+  token_combine        the reverse all-to-all
+  combine_postprocess  sum every token's expert outputs (already prob-weighted by the experts)
+
+Legend: T local tokens, E experts, D EP ranks, S slots per rank, P token-expert pairs sent by this
+rank, Q pairs received, H hidden size.
+"""
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
+
+from .comm import DirectAllToAll, all_gather_counts
+from .config import PolicyConfig
+from .experts import ExpertStore
+from .plan import SHARDED, imbalance, stock_load_D
+from .planners import make_planner
+
+
+class PlanMismatchError(RuntimeError):
+    """Ranks computed different plans for the same layer (debug check)."""
+
+
+class RailsTokenDispatcher(MoETokenDispatcher):
+    policy_config: PolicyConfig = PolicyConfig(policy="ultraep")  # set by megatron_rails.install()
+
+    def __init__(self, num_local_experts: int, local_expert_indices, config, pg_collection=None):
+        super().__init__(config=config, pg_collection=pg_collection)
+        if self.tp_size > 1:
+            raise NotImplementedError("megatron-rails supports expert tensor parallel size 1")
+        self.num_local_experts = num_local_experts
+        self.local_expert_indices = list(local_expert_indices)
+        self.num_experts = config.num_moe_experts
+        self.ep_rank = dist.get_rank(self.ep_group)
+        self.pcfg = type(self).policy_config
+        self.planner = make_planner(self.pcfg.policy, self.pcfg.planner_config(self.ep_size, self.num_experts))
+        if self.pcfg.policy == "fsep" or (self.pcfg.policy == "lp" and self.pcfg.placement == "fsep"):
+            raise NotImplementedError("the sharded (fsep) expert store is not available yet; use ultraep, eplb, "
+                                      "lp or none")
+        self.state = self.planner.initial_state()
+        self.comm = DirectAllToAll(self.ep_group)
+        self.store: Optional[ExpertStore] = None
+        self.metrics: list[dict] = []
+        self.plan = None
+
+    def attach_experts(self, experts: torch.nn.Module) -> None:
+        self.store = ExpertStore(experts, self.num_experts, self.ep_rank, self.ep_size)
+
+    # -- 1. plan and order tokens ---------------------------------------------------------------
+    def dispatch_preprocess(self, hidden_states: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor):
+        """hidden_states [S, B, H]; routing_map bool [T, E]; probs float [T, E]."""
+        self.hidden_shape = hidden_states.shape
+        x_TH = hidden_states.reshape(-1, self.hidden_shape[-1])
+        t0 = time.perf_counter()
+        counts_DE = all_gather_counts(routing_map.sum(dim=0), self.ep_group)
+        t1 = time.perf_counter()
+        plan, self.state = self.planner.plan(counts_DE, self.state)
+        t2 = time.perf_counter()
+        if self.pcfg.check_plan:
+            self._check_plan(plan)
+        self.plan = plan
+        p, me = plan.placement, self.ep_rank
+        ptr, rep_M, tok_M = plan.route
+        row = slice(ptr[me], ptr[me + 1])
+        # pairs in expert-major, token-minor order (the stock permutation order); the route row
+        # lists this rank's replicas in (expert, rank) order, so repeating them follows the pairs
+        e_P, t_P = routing_map.T.nonzero(as_tuple=True)
+        rep_P = np.repeat(rep_M[row], tok_M[row])
+        dest_P, slot_P = p.replica_rank_R[rep_P], p.replica_slot_R[rep_P]
+        order = np.lexsort((slot_P, dest_P))  # stable: token order kept within a slot
+        order_t = torch.from_numpy(order).to(x_TH.device)
+        self.token_P = t_P[order_t]
+        probs_P = probs[t_P, e_P][order_t]
+        self.send_D = np.bincount(dest_P, minlength=self.ep_size).tolist()
+        self.recv_D = plan.send_DD[:, me].tolist()
+        self._record(plan, counts_DE, (t1 - t0) * 1e6, (t2 - t1) * 1e6, x_TH)
+        return x_TH[self.token_P], probs_P
+
+    # -- 2. exchange ----------------------------------------------------------------------------
+    def token_dispatch(self, hidden_states: torch.Tensor, probs: torch.Tensor):
+        x = self.comm.exchange(hidden_states, self.send_D, self.recv_D)
+        pr = self.comm.exchange(probs.unsqueeze(-1), self.send_D, self.recv_D).squeeze(-1)
+        return x, pr
+
+    # -- 3. group by slot, compute replicas -------------------------------------------------------
+    def dispatch_postprocess(self, hidden_states: torch.Tensor, probs: torch.Tensor):
+        plan, me = self.plan, self.ep_rank
+        p = plan.placement
+        S, L = p.slots_per_rank, p.owner_slots
+        ptr, rep_M, tok_M = plan.route
+        src_M = np.repeat(np.arange(self.ep_size), np.diff(ptr))
+        mine = p.replica_rank_R[rep_M] == me
+        # rows arrive source-major, slot-minor: count them per (source, slot), then regroup by slot
+        n_DS = np.zeros((self.ep_size, S), dtype=np.int64)
+        np.add.at(n_DS, (src_M[mine], p.replica_slot_R[rep_M[mine]]), tok_M[mine])
+        slot_Q = np.repeat(np.tile(np.arange(S), self.ep_size), n_DS.ravel())
+        order = np.argsort(slot_Q, kind="stable")
+        self.recv_order = torch.from_numpy(order).to(hidden_states.device)
+        x_Q, pr_Q = hidden_states[self.recv_order], probs[self.recv_order]
+        per_slot = n_DS.sum(axis=0)
+        n_owner = int(per_slot[:L].sum())
+        weights, got = self.store.fetch(plan, self.comm.exchange)
+        outs = []
+        start = n_owner
+        for s in range(L, S):
+            n = int(per_slot[s])
+            if n:
+                outs.append(self.store.compute(weights[s], x_Q[start:start + n], pr_Q[start:start + n]))
+            start += n
+        self.replica_out = torch.cat(outs) if outs else x_Q[n_owner:n_owner]
+        if got is not None:  # keep the received weights in the graph on every rank (see ExpertStore.fetch)
+            self.replica_out = self.replica_out + 0 * got.sum()
+        tokens_per_expert = torch.from_numpy(per_slot[:L].copy())
+        return x_Q[:n_owner], tokens_per_expert, pr_Q[:n_owner]
+
+    # -- 4-6. combine ---------------------------------------------------------------------------
+    def combine_preprocess(self, hidden_states: torch.Tensor):
+        y_Q = torch.cat([hidden_states, self.replica_out.to(hidden_states.dtype)])
+        out = torch.empty_like(y_Q)
+        out = out.index_copy(0, self.recv_order, y_Q)  # back to the received (source-major) order
+        return out
+
+    def token_combine(self, hidden_states: torch.Tensor):
+        return self.comm.exchange(hidden_states, self.recv_D, self.send_D)
+
+    def combine_postprocess(self, hidden_states: torch.Tensor):
+        T, H = int(np.prod(self.hidden_shape[:-1])), self.hidden_shape[-1]
+        out = hidden_states.new_zeros((T, H)).index_add(0, self.token_P, hidden_states)
+        return out.view(self.hidden_shape)
+
+    # -- checks and metrics ---------------------------------------------------------------------
+    def _check_plan(self, plan) -> None:
+        digest = torch.tensor([int(plan.digest()[:15], 16)], dtype=torch.int64)
+        lo, hi = digest.clone(), digest.clone()
+        dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=self.ep_group)
+        dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=self.ep_group)
+        if lo.item() != hi.item():
+            raise PlanMismatchError(f"EP rank {self.ep_rank}: plan digests differ across ranks "
+                                    f"(this rank {digest.item():x}, min {lo.item():x}, max {hi.item():x}); "
+                                    f"token counts or planner state diverged")
+
+    def _record(self, plan, counts_DE, gather_us, plan_us, x_TH) -> None:
+        token_bytes = x_TH.element_size() * x_TH.shape[-1]
+        send = plan.send_DD
+        off_diag = int(send.sum() - np.trace(send))
+        expert_bytes = self.store.flat_size * x_TH.element_size() if self.store else 0
+        self.metrics.append({
+            "policy": plan.policy,
+            "max_over_mean_before": imbalance(stock_load_D(counts_DE, self.ep_size)),
+            "max_over_mean_after": plan.max_over_mean,
+            "tokens_per_rank_before": stock_load_D(counts_DE, self.ep_size).tolist(),
+            "tokens_per_rank_after": plan.load_D.tolist(),
+            "replicas_used": int(plan.weight_moves),
+            "token_bytes_sent": off_diag * token_bytes,
+            "weight_bytes_sent": plan.weight_bytes(expert_bytes),
+            "plan_us": plan_us,
+            "count_gather_us": gather_us,
+            "layout": "sharded" if plan.placement.layout == SHARDED else "owner",
+        })

@@ -1,0 +1,48 @@
+"""CPU-only shims for running stock Megatron-Core MoE layers on gloo. Applied by `apply()` only
+when CUDA is unavailable; every patch is recorded so `revert()` restores the original objects.
+
+megatron-core 0.16.1 on CPU needs:
+* a device for `torch.cuda.current_device()` callers (the router moves its weight there, global
+  memory buffers and sequence-parallel gathers allocate there): the CPU device;
+* `moe_utils.te_general_gemm`, referenced without Transformer Engine: None (the torch path).
+"""
+from __future__ import annotations
+
+import torch
+
+_patched: list[tuple[object, str, object]] = []
+
+
+def _patch(obj, name: str, value) -> None:
+    _patched.append((obj, name, getattr(obj, name, _MISSING)))
+    setattr(obj, name, value)
+
+
+class _Missing:
+    pass
+
+
+_MISSING = _Missing()
+
+
+def apply() -> bool:
+    """Install the shims if running without CUDA; returns whether they are active."""
+    if torch.cuda.is_available():
+        return False
+    if _patched:
+        return True
+    _patch(torch.cuda, "current_device", lambda: torch.device("cpu"))
+    from megatron.core.transformer.moe import moe_utils
+
+    if getattr(moe_utils, "te_general_gemm", None) is None:
+        _patch(moe_utils, "te_general_gemm", None)
+    return True
+
+
+def revert() -> None:
+    while _patched:
+        obj, name, old = _patched.pop()
+        if old is _MISSING:
+            delattr(obj, name)
+        else:
+            setattr(obj, name, old)

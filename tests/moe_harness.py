@@ -1,0 +1,72 @@
+"""Spawned-rank harness for dispatcher tests: stock Megatron-Core MoELayers on gloo (CPU).
+
+`spawn(fn, world, *args)` runs fn(rank, world, *args) in `world` processes with torch.distributed
+(gloo) and Megatron's parallel state initialized (EP = world); a failure on any rank fails the call.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank, world, port, fn, args, errq):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+        from megatron_rails.megatron import cpu_shims
+
+        cpu_shims.apply()
+        from megatron.core import parallel_state as ps
+
+        ps.initialize_model_parallel(expert_model_parallel_size=world)
+        fn(rank, world, *args)
+    except BaseException:
+        errq.put(f"rank {rank}:\n{traceback.format_exc()}")
+        os._exit(1)  # do not wait in collectives that will never complete
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def spawn(fn, world: int, *args) -> None:
+    ctx = mp.get_context("spawn")
+    errq = ctx.SimpleQueue()
+    try:
+        mp.start_processes(_entry, args=(world, free_port(), fn, args, errq), nprocs=world, join=True,
+                           start_method="spawn")
+    except mp.ProcessExitedException as err:
+        msgs = []
+        while not errq.empty():
+            msgs.append(errq.get())
+        raise AssertionError("\n".join(msgs) or str(err)) from None
+
+
+def moe_config(world: int, dispatcher: str, experts: int = 8, topk: int = 2, hidden: int = 16, ffn: int = 24):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    return TransformerConfig(
+        num_layers=1, hidden_size=hidden, num_attention_heads=2, num_moe_experts=experts, moe_router_topk=topk,
+        moe_token_dispatcher_type=dispatcher, ffn_hidden_size=ffn, moe_ffn_hidden_size=ffn, add_bias_linear=False,
+        expert_model_parallel_size=world, use_cpu_initialization=True, moe_aux_loss_coeff=0.0,
+        gated_linear_unit=True, activation_func=torch.nn.functional.silu, bias_activation_fusion=False,
+        moe_router_load_balancing_type="none", init_method_std=0.2)
+
+
+def build_moe_layer(cfg):
+    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    spec = get_moe_module_spec(use_te=False, num_experts=cfg.num_moe_experts, moe_grouped_gemm=False)
+    return MoELayer(cfg, spec.submodules)
