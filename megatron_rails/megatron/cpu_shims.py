@@ -4,9 +4,13 @@ when CUDA is unavailable; every patch is recorded so `revert()` restores the ori
 megatron-core 0.16.1 on CPU needs:
 * a device for `torch.cuda.current_device()` callers (the router moves its weight there, global
   memory buffers and sequence-parallel gathers allocate there): the CPU device;
-* `moe_utils.te_general_gemm`, referenced without Transformer Engine: None (the torch path).
+* `moe_utils.te_general_gemm`, referenced without Transformer Engine: None (the torch path);
+* the model-parallel RNG tracker's `fork()` (attention enters it even without dropout): a fork of
+  the CPU generator, which leaves the global CPU RNG stream untouched as the CUDA fork would.
 """
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
@@ -36,6 +40,14 @@ def apply() -> bool:
 
     if getattr(moe_utils, "te_general_gemm", None) is None:
         _patch(moe_utils, "te_general_gemm", None)
+    from megatron.core.tensor_parallel import random as mp_random
+
+    @contextlib.contextmanager
+    def fork(self, name=None):
+        with torch.random.fork_rng(devices=[]):
+            yield
+
+    _patch(mp_random.CudaRNGStatesTracker, "fork", fork)
     return True
 
 
