@@ -25,7 +25,7 @@ from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 
 from .comm import DirectAllToAll, all_gather_counts
 from .config import PolicyConfig
-from .experts import ExpertStore
+from .experts import ExpertStore, ShardedExpertStore
 from .plan import SHARDED, imbalance, stock_load_D
 from .planners import make_planner
 
@@ -47,9 +47,7 @@ class RailsTokenDispatcher(MoETokenDispatcher):
         self.ep_rank = dist.get_rank(self.ep_group)
         self.pcfg = type(self).policy_config
         self.planner = make_planner(self.pcfg.policy, self.pcfg.planner_config(self.ep_size, self.num_experts))
-        if self.pcfg.policy == "fsep" or (self.pcfg.policy == "lp" and self.pcfg.placement == "fsep"):
-            raise NotImplementedError("the sharded (fsep) expert store is not available yet; use ultraep, eplb, "
-                                      "lp or none")
+        self.sharded = self.pcfg.policy == "fsep" or (self.pcfg.policy == "lp" and self.pcfg.placement == "fsep")
         self.state = self.planner.initial_state()
         self.comm = DirectAllToAll(self.ep_group)
         self.store: Optional[ExpertStore] = None
@@ -57,7 +55,11 @@ class RailsTokenDispatcher(MoETokenDispatcher):
         self.plan = None
 
     def attach_experts(self, experts: torch.nn.Module) -> None:
-        self.store = ExpertStore(experts, self.num_experts, self.ep_rank, self.ep_size)
+        if self.sharded:
+            self.store = ShardedExpertStore(experts, self.num_experts, self.ep_rank, self.ep_size,
+                                            self.comm.exchange)
+        else:
+            self.store = ExpertStore(experts, self.num_experts, self.ep_rank, self.ep_size)
 
     # -- 1. plan and order tokens ---------------------------------------------------------------
     def dispatch_preprocess(self, hidden_states: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor):
@@ -123,7 +125,9 @@ class RailsTokenDispatcher(MoETokenDispatcher):
         self.replica_out = torch.cat(outs) if outs else x_Q[n_owner:n_owner]
         if got is not None:  # keep the received weights in the graph on every rank (see ExpertStore.fetch)
             self.replica_out = self.replica_out + 0 * got.sum()
-        tokens_per_expert = torch.from_numpy(per_slot[:L].copy())
+        # the stock experts compute the owner slots (none under the sharded layout)
+        tokens_per_expert = torch.zeros(self.num_local_experts, dtype=torch.int64)
+        tokens_per_expert[:L] = torch.from_numpy(per_slot[:L].copy())
         return x_Q[:n_owner], tokens_per_expert, pr_Q[:n_owner]
 
     # -- 4-6. combine ---------------------------------------------------------------------------

@@ -9,7 +9,7 @@ import torch
 
 from moe_harness import build_moe_layer, moe_config, spawn
 
-POLICIES = ["none", "eplb", "ultraep", "lp"]
+POLICIES = ["none", "eplb", "ultraep", "lp", "fsep"]
 
 
 def _routing_input(rng, T, H, E, kind, u):
@@ -61,12 +61,15 @@ def _worker(rank, world, policies, routings, seed):
                 (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
                 grads = {n: p.grad.clone() if p.grad is not None else torch.zeros_like(p)
                          for n, p in layer.named_parameters()}
+                store = getattr(layer.token_dispatcher, "store", None)
+                if hasattr(store, "owner_layout_grads"):  # fsep: expert grads live on the shards
+                    grads.update({f"experts.{k}": v for k, v in store.owner_layout_grads().items()})
                 outs.append((out.detach(), x.grad.clone(), grads))
             (o1, g1, w1), (o2, g2, w2) = outs
             where = f"policy {policy}, routing {it} ({kind}), rank {rank}"
             torch.testing.assert_close(o2, o1, rtol=1e-5, atol=1e-5, msg=lambda m: f"{where}: output\n{m}")
             torch.testing.assert_close(g2, g1, rtol=1e-5, atol=1e-5, msg=lambda m: f"{where}: input grad\n{m}")
-            for n in w1:
+            for n in w1:  # every stock parameter, expert weights included
                 torch.testing.assert_close(w2[n], w1[n], rtol=1e-5, atol=1e-5,
                                            msg=lambda m: f"{where}: grad of {n}\n{m}")
         metrics = rails.token_dispatcher.metrics
