@@ -2,9 +2,10 @@
 
 Used by `megatron-rails demo` (launched with torchrun) and by the training tests (spawned ranks).
 Routing is skewed on purpose by a fixed bias added to every router's logits (zipf-like over a fixed
-expert order), so the balancing policies have something to do. Data: random token ids from a fixed
-seed, different on every rank. Dense parameters are averaged over ranks; expert parameters live on
-one EP rank each, their gradients already cover every rank's tokens and are scaled by 1/world.
+expert order), so the balancing policies have something to do. Data: a learnable token stream (an
+affine recurrence with 10% noise) from a fixed seed, different on every rank. Dense parameters are
+averaged over ranks; expert parameters live on one EP rank each, their gradients already cover every
+rank's tokens and are scaled by 1/world.
 
     torchrun --nproc-per-node 4 -m megatron_rails.train_demo --policy ultraep --steps 20 --out run.json
 """
@@ -86,7 +87,13 @@ def _skew_routers(model, shape: DemoShape) -> None:
 
 def batch(shape: DemoShape, rank: int, step: int):
     g = torch.Generator().manual_seed(10_000 * step + rank)
-    tokens = torch.randint(0, shape.vocab, (shape.micro_batch, shape.seq + 1), generator=g)
+    # a learnable stream: t[i+1] = (5 t[i] + 3) mod vocab from a random start, 10% of tokens random
+    start = torch.randint(0, shape.vocab, (shape.micro_batch, 1), generator=g)
+    tokens = start.clone().repeat(1, shape.seq + 1)
+    for i in range(1, shape.seq + 1):
+        tokens[:, i] = (5 * tokens[:, i - 1] + 3) % shape.vocab
+    noise = torch.rand(tokens.shape, generator=g) < 0.1
+    tokens = torch.where(noise, torch.randint(0, shape.vocab, tokens.shape, generator=g), tokens)
     pos = torch.arange(shape.seq).unsqueeze(0).expand(shape.micro_batch, -1)
     # explicit causal mask (True = masked): Megatron's default mask is allocated on CUDA
     mask = torch.triu(torch.ones(shape.seq, shape.seq), diagonal=1).bool()[None, None]
@@ -97,10 +104,17 @@ def is_expert_param(name: str) -> bool:
     return ".experts." in name
 
 
+def make_optimizer(model, kind: str = "adam"):
+    params = [p for p in model.parameters() if p.requires_grad]
+    if kind == "sgd":  # stateless: a checkpoint of the weights alone resumes exactly
+        return torch.optim.SGD(params, lr=0.05)
+    return torch.optim.Adam(params, lr=3e-3)
+
+
 def train_steps(model, shape: DemoShape, steps: int, rank: int, world: int, opt=None, start: int = 0,
                 on_step=None):
     """Run `steps` optimizer steps; returns (per-step global mean losses, optimizer)."""
-    opt = opt or torch.optim.Adam(model.parameters(), lr=3e-3)
+    opt = opt or make_optimizer(model)
     losses = []
     for step in range(start, start + steps):
         tokens, pos, mask, labels = batch(shape, rank, step)
@@ -109,9 +123,11 @@ def train_steps(model, shape: DemoShape, steps: int, rank: int, world: int, opt=
         loss = model(tokens, pos, mask, labels=labels).float().mean()
         loss.backward()
         for name, p in model.named_parameters():
+            if not p.requires_grad:
+                continue  # stock expert copies under fsep: the shards train instead
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-            if is_expert_param(name):
+            if is_expert_param(name):  # one EP rank holds it, its grad already covers every rank
                 p.grad.div_(world)
             else:
                 dist.all_reduce(p.grad)
