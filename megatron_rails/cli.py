@@ -72,9 +72,13 @@ def cmd_bench(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    from .benchmarks import planner_demo
+    if args.planners:
+        from .benchmarks import planner_demo
 
-    return planner_demo(json_out=args.json)
+        return planner_demo(json_out=args.json)
+    from .demo import run_demo
+
+    return run_demo(args.config, steps=args.steps, ranks=args.ranks, json_out=args.json, png=args.plot)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -101,7 +105,12 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--quick", action="store_true", help="a small grid for smoke runs")
     b.set_defaults(func=cmd_bench)
 
-    d = sub.add_parser("demo", help="the main demo (currently: planner comparison on skewed workloads)")
+    d = sub.add_parser("demo", help="train a tiny Mixtral-shaped model on 4 CPU ranks: none vs the configured policy")
+    d.add_argument("--config", help="policy YAML (default: configs/policies/default.yaml)")
+    d.add_argument("--steps", type=int, default=20)
+    d.add_argument("--ranks", type=int, default=4, help="CPU ranks (= expert-parallel size; divides 8 experts)")
+    d.add_argument("--plot", default="demo-imbalance.png", help="PNG of imbalance per step")
+    d.add_argument("--planners", action="store_true", help="instead: compare every planner on skewed steps")
     d.add_argument("--json", action="store_true")
     d.set_defaults(func=cmd_demo)
     return parser
@@ -112,7 +121,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.func(args)
-    except (PlanError, ValueError, FileNotFoundError) as err:
+    except (PlanError, ValueError, FileNotFoundError, RuntimeError) as err:
         print(f"megatron-rails {args.command}: error: {err}", file=sys.stderr)
         return 2
 

@@ -1,0 +1,71 @@
+"""CLI smoke tests: real subprocesses of the `megatron-rails` entry point."""
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from megatron_rails.plan import imbalance
+
+CLI = [sys.executable, "-m", "megatron_rails.cli"]
+KEYS = {"policy", "ranks", "experts", "max_over_mean_before", "max_over_mean_after", "lower_bound_max_over_mean",
+        "cross_node_tokens", "weight_moves", "plan_us_p50", "plan_us_p99"}
+
+
+def run(*args, ok=True):
+    p = subprocess.run(CLI + list(args), capture_output=True, text=True, timeout=600)
+    assert (p.returncode == 0) == ok, p.stdout + p.stderr
+    return p
+
+
+@pytest.mark.parametrize("policy", ["none", "eplb", "fsep", "ultraep", "lp"])
+def test_plan_json(policy):
+    out = run("plan", "--policy", policy, "--ranks", "8", "--experts", "16", "--topk", "2", "--tokens-per-rank",
+              "512", "--slots", "1", "--ranks-per-node", "4", "--skew", "zipf:1.2", "--seed", "3", "--json",
+              "--repeats", "3", "--budget", "0.01").stdout
+    row = json.loads(out)
+    assert KEYS <= set(row) and row["policy"] == policy and row["ranks"] == 8 and row["experts"] == 16
+    assert row["lower_bound_max_over_mean"] <= row["max_over_mean_after"] + 1e-9
+    assert row["tokens"] == 8 * 512 * 2
+
+
+def test_plan_from_counts_file(tmp_path):
+    counts = np.zeros((4, 8), dtype=np.int64)
+    counts[:, 2] = 100
+    counts[:, 5] = 20
+    f = tmp_path / "c.npy"
+    np.save(f, counts)
+    row = json.loads(run("plan", "--policy", "ultraep", "--counts", str(f), "--slots", "1", "--ranks-per-node", "2",
+                         "--json", "--repeats", "2", "--budget", "0.01").stdout)
+    # independent: stock owners of 8 experts on 4 ranks are pairs; expert 2 (rank 1) holds 400 of 480
+    assert row["max_over_mean_before"] == pytest.approx(imbalance(np.array([0, 400, 80, 0])))
+    assert row["max_over_mean_after"] < row["max_over_mean_before"]
+    table = run("plan", "--policy", "fsep", "--counts", str(f), "--repeats", "2", "--budget", "0.01").stdout
+    assert "max_over_mean_after" in table
+
+
+def test_plan_errors_are_clear(tmp_path):
+    assert "invalid choice" in run("plan", "--policy", "magic", ok=False).stderr
+    assert "zipf" in run("plan", "--policy", "none", "--skew", "zipf:oops", ok=False).stderr
+    assert "divisible" in run("plan", "--policy", "none", "--ranks", "8", "--experts", "12", ok=False).stderr
+    missing = tmp_path / "nope.npy"
+    assert "nope.npy" in run("plan", "--policy", "lp", "--counts", str(missing), ok=False).stderr
+
+
+def test_bench_planners_quick(tmp_path):
+    out = tmp_path / "b.json"
+    run("bench", "planners", "--quick", "--out", str(out))
+    res = json.loads(out.read_text())
+    rows = [r for r in res["rows"] if "error" not in r]
+    assert {r["policy"] for r in rows} == {"none", "eplb", "fsep", "ultraep", "lp"}
+    assert res["lp_vs_highs"]["gap_count"] == 0
+    assert (tmp_path / "b.png").stat().st_size > 10_000
+
+
+def test_demo_json(tmp_path):
+    png = tmp_path / "d.png"
+    res = json.loads(run("demo", "--steps", "3", "--json", "--plot", str(png)).stdout)
+    assert {"loss_max_abs_diff", "imbalance_before", "imbalance_after", "plan_us_p50"} <= set(res)
+    assert res["loss_max_rel_diff"] < 1e-5 and res["imbalance_after"] < res["imbalance_before"]
+    assert png.stat().st_size > 10_000
