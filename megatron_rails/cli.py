@@ -68,6 +68,11 @@ def cmd_bench(args) -> int:
     if args.what == "planners":
         benchmarks.bench_planners(args.out, quick=args.quick, plot=args.plot)
         return 0
+    if args.what == "dispatcher":
+        from .bench_dispatcher import bench_dispatcher
+
+        bench_dispatcher(args.out, reps=3 if args.quick else 10)
+        return 0
     raise SystemExit(f"unknown benchmark {args.what!r}")
 
 
@@ -99,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_plan)
 
     b = sub.add_parser("bench", help="benchmarks; results as JSON (+ PNG)")
-    b.add_argument("what", choices=["planners"])
+    b.add_argument("what", choices=["planners", "dispatcher"])
     b.add_argument("--out", required=True, help="JSON output file")
     b.add_argument("--plot", help="PNG output (default: next to --out)")
     b.add_argument("--quick", action="store_true", help="a small grid for smoke runs")

@@ -1,0 +1,127 @@
+"""`megatron-rails bench dispatcher`: one MoE layer, 4 gloo ranks, Mixtral-like shape scaled to CPU
+(8 experts top-2). Times forward+backward per layer for every policy against `none` at uniform
+routing and at a zipf-like skew, and records the balance each policy reaches. Results as JSON.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+SHAPE = dict(hidden=256, ffn=512, experts=8, topk=2, tokens=1024)
+POLICIES = ["none", "eplb", "ultraep", "lp", "fsep"]
+SKEWS = {"uniform": 0.0, "zipf:1.2": 1.2}
+
+
+def _layer(world, dispatcher):
+    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    cfg = TransformerConfig(
+        num_layers=1, hidden_size=SHAPE["hidden"], num_attention_heads=4, num_moe_experts=SHAPE["experts"],
+        moe_router_topk=SHAPE["topk"], moe_token_dispatcher_type=dispatcher, ffn_hidden_size=SHAPE["ffn"],
+        moe_ffn_hidden_size=SHAPE["ffn"], add_bias_linear=False, expert_model_parallel_size=world,
+        use_cpu_initialization=True, moe_aux_loss_coeff=0.0, gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu, bias_activation_fusion=False,
+        moe_router_load_balancing_type="none")
+    torch.manual_seed(0)
+    spec = get_moe_module_spec(use_te=False, num_experts=SHAPE["experts"], moe_grouped_gemm=False)
+    return MoELayer(cfg, spec.submodules)
+
+
+def _inputs(rank, s):
+    """x [T, 1, H] and a router bias direction that gives a zipf(s)-like expert popularity."""
+    rng = np.random.default_rng(100 + rank)
+    H, E = SHAPE["hidden"], SHAPE["experts"]
+    u = np.random.default_rng(5).standard_normal(H)
+    u /= np.linalg.norm(u)
+    x = rng.standard_normal((SHAPE["tokens"], H)) * 0.5 + 2.0 * u
+    alpha = np.log(1.0 / np.arange(1, E + 1) ** s) if s else np.zeros(E)
+    alpha = np.random.default_rng(6).permutation(alpha)
+    return torch.tensor(x, dtype=torch.float32).view(-1, 1, H), torch.tensor(np.outer(alpha, u) / 2.0,
+                                                                            dtype=torch.float32)
+
+
+def _worker(rank, world, port, reps, out):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    import megatron_rails
+    from megatron.core import parallel_state as ps
+
+    from .megatron import cpu_shims
+
+    cpu_shims.apply()
+    ps.initialize_model_parallel(expert_model_parallel_size=world)
+    rows = []
+    for skew, s in SKEWS.items():
+        x0, bias = _inputs(rank, s)
+        for policy in POLICIES:
+            megatron_rails.install({"policy": policy, "slots": 2, "ranks_per_node": 2})
+            layer = _layer(world, "alltoall")
+            megatron_rails.uninstall()
+            with torch.no_grad():
+                layer.router.weight.add_(bias)
+            times = []
+            for it in range(reps + 3):
+                x = x0.clone().requires_grad_(True)
+                dist.barrier()
+                t0 = time.perf_counter()
+                y, _ = layer(x)
+                y.sum().backward()
+                dist.barrier()
+                if it >= 3:
+                    times.append(time.perf_counter() - t0)
+            m = layer.token_dispatcher.metrics
+            rows.append({"policy": policy, "skew": skew, "ms_p50": float(np.median(times) * 1e3),
+                         "ms_min": float(np.min(times) * 1e3),
+                         "max_over_mean_before": float(np.mean([r["max_over_mean_before"] for r in m])),
+                         "max_over_mean_after": float(np.mean([r["max_over_mean_after"] for r in m])),
+                         "plan_us_p50": float(np.median([r["plan_us"] for r in m])),
+                         "token_bytes_per_layer": float(np.mean([r["token_bytes_sent"] for r in m])),
+                         "weight_bytes_per_layer": float(np.mean([r["weight_bytes_sent"] for r in m]))})
+            if rank == 0:
+                r = rows[-1]
+                print(f"  {skew:9s} {policy:8s} {r['ms_p50']:7.1f} ms  max/mean {r['max_over_mean_before']:.3f}"
+                      f" -> {r['max_over_mean_after']:.3f}", file=sys.stderr, flush=True)
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(rows, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def bench_dispatcher(out: str, reps: int = 10, world: int = 4) -> dict:
+    tmp = out + ".rows"
+    with socket.socket() as sk:
+        sk.bind(("127.0.0.1", 0))
+        port = sk.getsockname()[1]
+    print(f"dispatcher bench: {world} gloo ranks, hidden {SHAPE['hidden']}, ffn {SHAPE['ffn']}, "
+          f"{SHAPE['experts']} experts top-{SHAPE['topk']}, {SHAPE['tokens']} tokens/rank", file=sys.stderr)
+    mp.start_processes(_worker, args=(world, port, reps, tmp), nprocs=world, start_method="spawn")
+    with open(tmp) as f:
+        rows = json.load(f)
+    os.remove(tmp)
+    base = {r["skew"]: r["ms_p50"] for r in rows if r["policy"] == "none"}
+    for r in rows:
+        r["overhead_vs_none"] = r["ms_p50"] / base[r["skew"]] - 1.0
+    res = {"meta": {"command": "megatron-rails bench dispatcher", "world": world, "shape": SHAPE, "reps": reps,
+                    "note": "CPU gloo timings of one MoE layer forward+backward; not GPU figures"},
+           "rows": rows,
+           "targets": {
+               "uniform_overhead_le_5pct": {r["policy"]: r["overhead_vs_none"] <= 0.05
+                                            for r in rows if r["skew"] == "uniform"},
+               "zipf_max_over_mean_le_1_05": {r["policy"]: r["max_over_mean_after"] <= 1.05
+                                              for r in rows if r["skew"] != "uniform"}}}
+    with open(out, "w") as f:
+        json.dump(res, f, indent=1)
+    print(json.dumps(res["targets"], indent=1))
+    return res
