@@ -1,9 +1,15 @@
 # megatron-rails: `make demo` (main job) and `make test` (the test suite) each create or refresh
 # the local venv first. torch==2.13.0 is installed before anything else so the local CPU build is used.
+#
+# Megatron-Core versions: the default pin is 0.16.1 (Python 3.11). Newer releases declare Python 3.12
+# but run here; `make test MCORE_VERSION=0.19.2 VENV=.venv-mcore019` resolves everything against
+# 0.16.1 first, then swaps in the newer megatron-core (and the triton wheel its MoE package imports).
 PYTHON ?= python3
 VENV ?= .venv
-MCORE_VERSION ?= 0.16.1
+BASE_MCORE := 0.16.1
+MCORE_VERSION ?= $(BASE_MCORE)
 BIN := $(VENV)/bin
+PIP := $(BIN)/python -m pip
 STAMP := $(VENV)/.installed-$(MCORE_VERSION)
 PYTEST_ARGS ?=
 
@@ -13,9 +19,12 @@ venv: $(STAMP)
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q torch==2.13.0
-	$(BIN)/python -m pip install -q "megatron-core==$(MCORE_VERSION)" -e ".[dev]"
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q "megatron-core==$(BASE_MCORE)" -e ".[dev]"
+ifneq ($(MCORE_VERSION),$(BASE_MCORE))
+	$(PIP) install -q --ignore-requires-python --no-deps "megatron-core==$(MCORE_VERSION)" triton
+endif
 	rm -f $(VENV)/.installed-* && touch $@
 
 demo: venv
@@ -26,6 +35,7 @@ test: venv
 
 bench: venv
 	$(BIN)/megatron-rails bench planners --out bench/planners.json
+	$(BIN)/megatron-rails bench dispatcher --out bench/dispatcher.json
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) .venv-mcore* .pytest_cache .hypothesis

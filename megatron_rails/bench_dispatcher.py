@@ -21,9 +21,9 @@ SKEWS = {"uniform": 0.0, "zipf:1.2": 1.2}
 
 
 def _layer(world, dispatcher):
-    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
-    from megatron.core.transformer.moe.moe_layer import MoELayer
     from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from .megatron.compat import build_moe_layer
 
     cfg = TransformerConfig(
         num_layers=1, hidden_size=SHAPE["hidden"], num_attention_heads=4, num_moe_experts=SHAPE["experts"],
@@ -33,8 +33,7 @@ def _layer(world, dispatcher):
         activation_func=torch.nn.functional.silu, bias_activation_fusion=False,
         moe_router_load_balancing_type="none")
     torch.manual_seed(0)
-    spec = get_moe_module_spec(use_te=False, num_experts=SHAPE["experts"], moe_grouped_gemm=False)
-    return MoELayer(cfg, spec.submodules)
+    return build_moe_layer(cfg)
 
 
 def _inputs(rank, s):

@@ -34,7 +34,7 @@ def _frozen_i64(a, name: str, ndim: int) -> np.ndarray:
     arr = np.asarray(a)
     if arr.ndim != ndim:
         raise PlanError(f"{name} must be {ndim}-D, got shape {arr.shape}")
-    if arr.size and not np.issubdtype(arr.dtype, np.integer):
+    if arr.dtype.kind not in "iu" and arr.size:  # kinds i, u are exactly np.integer
         if not np.all(np.isfinite(arr)) or np.any(arr != np.round(arr)):
             raise PlanError(f"{name} must hold integers, got dtype {arr.dtype}")
     arr = np.array(arr, dtype=np.int64, copy=True)
@@ -100,11 +100,8 @@ class Placement:
         if se.size and (se.min() < -1 or se.max() >= E):
             d, s = np.argwhere((se < -1) | (se >= E))[0]
             raise PlanError(f"slot ({d}, {s}) holds expert {se[d, s]}, outside [0, {E}) (or -1 for empty)")
-        filled = np.sort(se, axis=1)
-        dup = (filled[:, 1:] == filled[:, :-1]) & (filled[:, 1:] >= 0)
-        if dup.any():
-            d = int(np.argwhere(dup)[0][0])
-            raise PlanError(f"rank {d} hosts an expert twice: slots {se[d].tolist()}")
+        # the replica table (filled slots sorted by (expert, rank)) also finds an expert hosted twice
+        self.__dict__["_replicas"] = _replica_table(se, E)
         if self.layout == OWNER:
             L = owner_slots_needed(E, D)
             if self.owner_slots != L or S < L:
@@ -181,19 +178,7 @@ class Placement:
 
     @cached_property
     def _replicas(self):
-        se = self.slot_expert_DS
-        flat = np.flatnonzero(se >= 0)
-        S = se.shape[1]
-        key = se.ravel()[flat] * self.num_ranks + flat // S  # by expert, then rank (unique per slot)
-        order = np.argsort(key, kind="stable")
-        flat = flat[order]
-        d, s = flat // S, flat % S
-        e = se.ravel()[flat]
-        ptr = np.zeros(self.num_experts + 1, dtype=np.int64)
-        np.cumsum(np.bincount(e, minlength=self.num_experts), out=ptr[1:])
-        for a in (e, d, s, ptr):
-            a.flags.writeable = False
-        return e, d, s, ptr
+        return _replica_table(self.slot_expert_DS, self.num_experts)  # set by __post_init__
 
     @property
     def replica_expert_R(self) -> np.ndarray:
@@ -241,6 +226,32 @@ class Placement:
         h.update(np.ascontiguousarray(self.slot_expert_DS).tobytes())
         h.update(str(self.slot_expert_DS.shape).encode())
         return h.hexdigest()
+
+
+def _replica_table(se: np.ndarray, num_experts: int):
+    """Filled slots of se (int64 [D, S], entries in [-1, E)) as replicas sorted by (expert, rank):
+    (expert_R, rank_R, slot_R, expert_ptr [E+1]), all read-only. PlanError naming the lowest rank
+    that hosts an expert twice."""
+    D, S = se.shape
+    flat = se.ravel()
+    idx = np.flatnonzero(flat >= 0)
+    d = idx // S
+    key = flat[idx] * D + d  # by expert, then rank: unique unless a rank hosts an expert twice
+    order = np.argsort(key, kind="stable")
+    key = key[order]
+    if key.size > 1:
+        dup = key[1:] == key[:-1]
+        if dup.any():
+            r = int((key[1:][dup] % D).min())
+            raise PlanError(f"rank {r} hosts an expert twice: slots {se[r].tolist()}")
+    idx = idx[order]
+    d = d[order]
+    e = key // D
+    s = idx - d * S
+    ptr = np.searchsorted(e, np.arange(num_experts + 1))
+    for a in (e, d, s, ptr):
+        a.flags.writeable = False
+    return e, d, s, ptr
 
 
 @lru_cache(maxsize=64)

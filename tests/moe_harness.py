@@ -65,8 +65,6 @@ def moe_config(world: int, dispatcher: str, experts: int = 8, topk: int = 2, hid
 
 
 def build_moe_layer(cfg):
-    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
-    from megatron.core.transformer.moe.moe_layer import MoELayer
+    from megatron_rails.megatron.compat import build_moe_layer as build
 
-    spec = get_moe_module_spec(use_te=False, num_experts=cfg.num_moe_experts, moe_grouped_gemm=False)
-    return MoELayer(cfg, spec.submodules)
+    return build(cfg)
