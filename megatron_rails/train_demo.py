@@ -49,7 +49,7 @@ def init_distributed() -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
-def build_model(shape: DemoShape, world: int, dispatcher: str, seed: int = 1234):
+def build_model(shape: DemoShape, world: int, dispatcher: str, seed: int = 1234, layer_spec=None):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
@@ -68,7 +68,8 @@ def build_model(shape: DemoShape, world: int, dispatcher: str, seed: int = 1234)
         model_parallel_cuda_manual_seed(seed)
     except Exception:  # CPU: the CUDA RNG tracker is not needed
         pass
-    spec = get_gpt_layer_local_spec(num_experts=shape.experts, moe_grouped_gemm=False, normalization="RMSNorm")
+    spec = layer_spec or get_gpt_layer_local_spec(num_experts=shape.experts, moe_grouped_gemm=False,
+                                                  normalization="RMSNorm")
     model = GPTModel(cfg, spec, vocab_size=shape.vocab, max_sequence_length=shape.seq,
                      position_embedding_type="rope")
     _skew_routers(model, shape)

@@ -87,3 +87,19 @@ def _worker(rank, world, policies, routings, seed):
 def test_parity_with_stock_allgather(world):
     routings = 30 if world == 4 else 20
     spawn(_worker, world, POLICIES, routings, 11 * world)
+
+
+def _spec_worker(rank, world):
+    from megatron_rails.megatron.compat import rails_gpt_layer_local_spec
+    from megatron_rails.train_demo import DemoShape, build_model, train_steps
+
+    shape = DemoShape(layers=1)
+    spec = rails_gpt_layer_local_spec(shape.experts, moe_grouped_gemm=False, normalization="RMSNorm")
+    ref, _ = train_steps(build_model(shape, world, "allgather"), shape, 3, rank, world)
+    got, _ = train_steps(build_model(shape, world, "alltoall", layer_spec=spec), shape, 3, rank, world)
+    np.testing.assert_allclose(got, ref, rtol=1e-5)
+
+
+def test_layer_spec_route():
+    """RailsMoELayer through a layer spec, without install(): same losses as stock."""
+    spawn(_spec_worker, 2)

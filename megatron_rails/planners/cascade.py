@@ -36,10 +36,12 @@ import numpy as np
 from ..plan import owner_of_experts, owner_slots_needed
 
 
+_BIG = 1 << 60  # above any |load| difference: sorts givers ahead of takers in one key
+
+
 class OwnerBlocks:
-    """Static facts of the owner layout for (E, D): owner_E int64 [E], experts of each rank idx_DL
-    int64 [D, L] (padded with E), and whether every rank owns at most one (single) or at least one
-    (dense) expert."""
+    """Static facts of the owner layout for (E, D): owner_E int64 [E], each rank's experts idx_DL
+    int64 [D, L] (padded with E), and how to reduce over ranks fast."""
 
     def __init__(self, num_experts: int, num_ranks: int):
         E, D = num_experts, num_ranks
@@ -51,30 +53,33 @@ class OwnerBlocks:
         ok = idx < E
         ok[ok] = self.owner_E[idx[ok]] == np.nonzero(ok)[0]
         self.idx_DL = np.where(ok, idx, E).astype(np.int64)
-        self.single = E <= D
-        self.dense = E >= D
         self.first_D = first.astype(np.int64)
-        self.rank_E = self.owner_E.tolist()
+        # single: every rank owns at most one expert; block: every rank owns exactly L = E/D
+        self.single = E <= D
+        self.block = E % D == 0 and not self.single
+        self.dense = E >= D
 
     def rank_loads(self, load_E: np.ndarray) -> np.ndarray:
         """int64 [D]: tokens every rank owns."""
+        if self.block:
+            return load_E.reshape(self.D, -1).sum(axis=1)
         if self.dense:
             return np.add.reduceat(load_E, self.first_D)
         base = np.zeros(self.D, dtype=np.int64)
         base[self.owner_E] = load_E
         return base
 
-    def hottest(self, load_E: np.ndarray, ranks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(load, expert) int64 [len(ranks)] of every given rank's hottest owned expert (lower id on
-        ties; expert E and load 0 for a rank that owns nothing)."""
-        idx = self.idx_DL[ranks]
+    def hottest(self, load_E: np.ndarray, base_D: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(load, expert) int64 [D] of every rank's hottest owned expert, lower id on ties
+        (expert E, load 0 for a rank that owns nothing)."""
         if self.single:
-            e = idx[:, 0]
-            return np.append(load_E, 0)[e], e
-        m = np.append(load_E, -1)[idx]
-        j = m.argmax(axis=1)
-        k = np.arange(j.size)
-        return m[k, j], idx[k, j]
+            return base_D, self.idx_DL[:, 0]
+        if self.block:
+            e = self.first_D + load_E.reshape(self.D, -1).argmax(axis=1)
+            return load_E[e], e
+        m = np.append(load_E, -1)[self.idx_DL]
+        e = self.idx_DL[np.arange(self.D), m.argmax(axis=1)]
+        return load_E[e], e
 
     def owned_desc(self, load: list, d: int) -> list[tuple[int, int]]:
         """Rank d's experts as (load, expert), hottest first, lower id on ties (Python lists)."""
@@ -89,60 +94,57 @@ def cascade(T: int, load_E: np.ndarray, base_D: np.ndarray, blocks: OwnerBlocks)
     Returns (expert_I, rank_I, tokens_I) int64 with every (expert, rank) distinct, every rank
     receiving at most one piece and every rank ending at or below T; None if some giver's carry
     cannot be split over its experts at taker cuts (the caller falls back to `chain_greedy`).
-    Needs T >= ceil(sum(load_E) / D), so that the slacks cover the excesses.
+    Needs T >= ceil(sum(load_E) / D), so that the slacks cover the excesses, and some giver.
     """
+    hot_D, hot_e_D = blocks.hottest(load_E, base_D)
     sig = T - base_D
-    giv = np.flatnonzero(sig < 0)
-    tak = np.flatnonzero(sig > 0)
-    x = -sig[giv]
+    over = sig < 0
+    # one stable sort: givers by decreasing room w = hottest - excess, then takers by decreasing
+    # slack, then ranks exactly at T; lower rank first on ties
+    order = np.argsort(-np.where(over, hot_D + sig + _BIG, sig), kind="stable")
+    G = int(np.count_nonzero(over))
+    K = int(np.count_nonzero(sig)) - G
+    # the giver with the least room leads: it absorbs nothing
+    giv = np.concatenate((order[G - 1:G], order[:G - 1]))
+    tak = order[G:G + K]
+    neg_x = sig[giv]
+    X = -np.cumsum(neg_x)
     s = sig[tak]
-    hot, hot_e = blocks.hottest(load_E, giv)
-    w = hot - x
-    # first the giver with the least room (it absorbs nothing), then decreasing room, lower rank on ties
-    go = np.argsort(-w, kind="stable")
-    f = int(np.argmin(w))
-    if go[0] != f:
-        go = np.concatenate(([f], go[go != f]))
-    giv, x, hot, hot_e = giv[go], x[go], hot[go], hot_e[go]
-    to = np.argsort(-s, kind="stable")
-    tak, s = tak[to], s[to]
-    X = np.cumsum(x)
-    S0 = np.zeros(s.size + 1, dtype=np.int64)
+    S0 = np.zeros(K + 1, dtype=np.int64)
     np.cumsum(s, out=S0[1:])
-    Xprev = X - x
+    Xprev = X + neg_x
     start = S0[np.searchsorted(S0, Xprev, side="right") - 1]  # the taker cut each stream starts at
     gap = Xprev - start                                         # tail of the previous stream it absorbs
+    hot_e = hot_e_D[giv]
     seg_start, seg_e, last_e = start, hot_e, hot_e
-    multi = np.flatnonzero(X - start > hot)
-    if multi.size:
-        got = _split_at_cuts(multi, giv, start, X, S0, load_E, blocks, hot_e)
+    if (X - start > hot_D[giv]).any():
+        got = _split_at_cuts(giv, start, X, hot_D[giv], S0, load_E, blocks, hot_e)
         if got is None:
             return None
         seg_start, seg_e, last_e = got
     end = int(X[-1])
     n = int(np.searchsorted(S0, end, side="left"))  # takers 0..n-1 receive a piece
-    a = np.minimum(S0[1:n + 1], end) - S0[:n]
+    a = s[:n].copy()
+    a[-1] = end - int(S0[n - 1])
     seg = np.searchsorted(seg_start, S0[:n], side="right") - 1
-    ab = np.flatnonzero(gap > 0)
+    ab = np.flatnonzero(gap)
     e_I = np.concatenate((seg_e[seg], last_e[ab - 1]))
     d_I = np.concatenate((tak[:n], giv[ab]))
     a_I = np.concatenate((a, gap[ab]))
     return e_I, d_I, a_I
 
 
-def _split_at_cuts(multi, giv, start, X, S0, load_E, blocks, hot_e):
+def _split_at_cuts(giv, start, X, hot, S0, load_E, blocks, hot_e):
     """Stream segments (start int64 [*], expert int64 [*]) sorted by start, and the expert whose
-    tail each giver's successor absorbs, when the givers in `multi` (indices into the chain) spread
-    their carry over several experts, changing expert only at taker cuts. None if impossible."""
-    load = None
-    starts, experts = start.tolist(), hot_e.tolist()
+    tail each giver's successor absorbs, when some givers spread their carry over several experts,
+    changing expert only at taker cuts. None if impossible."""
+    load = load_E.tolist()
+    starts, experts, ends = start.tolist(), hot_e.tolist(), X.tolist()
     last_e = hot_e.copy()
     extra: list[tuple[int, int, int, int]] = []  # (start, chain index, part, expert)
     cuts = S0.tolist()
-    for i in multi.tolist():
-        if load is None:
-            load = load_E.tolist()
-        pos, end = starts[i], int(X[i])
+    for i in np.flatnonzero(X - start > hot).tolist():
+        pos, end = starts[i], ends[i]
         own = blocks.owned_desc(load, int(giv[i]))
         part = 0
         for k, (l, e) in enumerate(own):
