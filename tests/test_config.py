@@ -1,0 +1,40 @@
+"""Policy configs: every shipped YAML loads; bad input names the file and key."""
+from pathlib import Path
+
+import pytest
+
+from megatron_rails.config import ConfigError, PolicyConfig
+
+POLICY_DIR = Path(__file__).resolve().parent.parent / "configs" / "policies"
+
+
+@pytest.mark.parametrize("path", sorted(POLICY_DIR.glob("*.yaml")), ids=lambda p: p.name)
+def test_shipped_policy_configs_load(path):
+    cfg = PolicyConfig.from_yaml(path)
+    assert path.stem == "default" or cfg.policy == path.stem
+
+
+def test_default_is_fsep():
+    assert PolicyConfig.from_yaml(POLICY_DIR / "default.yaml").policy == "fsep"
+
+
+@pytest.mark.parametrize("text, match", [
+    ("policy: magic\n", "policy: unknown policy 'magic'"),
+    ("policy: fsep\nslotz: 2\n", "unknown key.*slotz"),
+    ("policy: fsep\nslots: two\n", "slots: expected"),
+    ("policy: fsep\nslots: -1\n", "slots: expected"),
+    ("policy: fsep\ncomm: smoke\n", "comm: must be one of"),
+    ("policy: fsep\ncheck_plan: 3\n", "check_plan"),
+    ("- just\n- a list\n", "mapping"),
+])
+def test_bad_configs_name_file_and_key(tmp_path, text, match):
+    f = tmp_path / "bad.yaml"
+    f.write_text(text)
+    with pytest.raises(ConfigError, match=match) as err:
+        PolicyConfig.from_yaml(f)
+    assert "bad.yaml" in str(err.value)
+
+
+def test_missing_file():
+    with pytest.raises(ConfigError, match="not found"):
+        PolicyConfig.from_yaml("/nonexistent/policy.yaml")
