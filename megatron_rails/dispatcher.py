@@ -49,6 +49,8 @@ class RailsTokenDispatcher(MoETokenDispatcher):
         self.planner = make_planner(self.pcfg.policy, self.pcfg.planner_config(self.ep_size, self.num_experts))
         self.sharded = self.pcfg.policy == "fsep" or (self.pcfg.policy == "lp" and self.pcfg.placement == "fsep")
         self.state = self.planner.initial_state()
+        if self.pcfg.comm != "direct":
+            raise NotImplementedError(f"comm: {self.pcfg.comm!r} has no backend in this build; use comm: direct")
         self.comm = DirectAllToAll(self.ep_group)
         self.store: Optional[ExpertStore] = None
         self.metrics: list[dict] = []
