@@ -31,6 +31,9 @@ class PlanError(ValueError):
 
 
 def _frozen_i64(a, name: str, ndim: int) -> np.ndarray:
+    if isinstance(a, np.ndarray) and a.dtype == np.int64 and a.ndim == ndim and not a.flags.writeable \
+            and a.base is None:
+        return a  # already a frozen int64 copy (built by this module or a planner)
     arr = np.asarray(a)
     if arr.ndim != ndim:
         raise PlanError(f"{name} must be {ndim}-D, got shape {arr.shape}")
@@ -44,11 +47,7 @@ def _frozen_i64(a, name: str, ndim: int) -> np.ndarray:
 
 def check_counts(counts_DE, num_ranks: int | None = None, num_experts: int | None = None) -> np.ndarray:
     """Validate a token-count matrix: int64 [D, E], non-negative. Returns a read-only int64 copy."""
-    if isinstance(counts_DE, np.ndarray) and counts_DE.dtype == np.int64 and counts_DE.ndim == 2 \
-            and not counts_DE.flags.writeable and counts_DE.base is None:
-        counts = counts_DE  # already a frozen int64 copy (the planners pass theirs on to Plan)
-    else:
-        counts = _frozen_i64(counts_DE, "counts_DE", 2)
+    counts = _frozen_i64(counts_DE, "counts_DE", 2)  # no copy if already frozen (planners pass theirs on)
     if num_ranks is not None and counts.shape[0] != num_ranks:
         raise PlanError(f"counts_DE has {counts.shape[0]} rows, expected one per rank ({num_ranks})")
     if num_experts is not None and counts.shape[1] != num_experts:
@@ -97,17 +96,16 @@ class Placement:
             raise PlanError(f"ranks_per_node={G} must be >= 1 and divide the number of ranks {D}")
         if self.layout not in LAYOUTS:
             raise PlanError(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
-        if se.size and (se.min() < -1 or se.max() >= E):
-            d, s = np.argwhere((se < -1) | (se >= E))[0]
-            raise PlanError(f"slot ({d}, {s}) holds expert {se[d, s]}, outside [0, {E}) (or -1 for empty)")
-        # the replica table (filled slots sorted by (expert, rank)) also finds an expert hosted twice
+        # the replica table (filled slots sorted by (expert, rank)) also checks the expert ids and
+        # finds an expert hosted twice
         self.__dict__["_replicas"] = _replica_table(se, E)
         if self.layout == OWNER:
             L = owner_slots_needed(E, D)
             if self.owner_slots != L or S < L:
                 raise PlanError(f"owner layout needs owner_slots = ceil(E/D) = {L} <= S={S}, got {self.owner_slots}")
-            want = _owner_block(E, D, L)
-            if not np.array_equal(se[:, :L], want):
+            idx, want_I = _owner_slots(E, D, L, S)
+            if np.count_nonzero(se.ravel()[idx] != want_I):
+                want = _owner_block(E, D, L)
                 d = int(np.argwhere((se[:, :L] != want).any(axis=1))[0][0])
                 raise PlanError(f"rank {d} owner slots {se[d, :L].tolist()} differ from stock EP {want[d].tolist()}")
         elif self.owner_slots != 0:
@@ -136,21 +134,27 @@ class Placement:
         """Owner layout plus replicas given as (rank_I[i], expert_I[i]) pairs (int [I]); a rank's
         redundant slots fill in the order its pairs appear."""
         L = owner_slots_needed(num_experts, num_ranks)
-        se = np.full((num_ranks, L + slots), -1, dtype=np.int64)
-        se[:, :L] = _owner_block(num_experts, num_ranks, L)
+        se = _owner_template(num_experts, num_ranks, slots).copy()
         r = np.asarray(rank_I, dtype=np.int64)
         if r.size:
-            if r.min() < 0 or r.max() >= num_ranks:
+            if r.min() < 0:
                 raise PlanError(f"replica rank out of range [0, {num_ranks})")
             n_D = np.bincount(r, minlength=num_ranks)
-            if n_D.max() > slots:
+            if n_D.size > num_ranks:
+                raise PlanError(f"replica rank out of range [0, {num_ranks})")
+            most = int(n_D.max())
+            if most > slots:
                 d = int(np.argmax(n_D))
                 raise PlanError(f"rank {d}: {n_D[d]} replicas overflow its {slots} redundant slots")
-            order = np.argsort(r, kind="stable")
-            start = np.cumsum(n_D) - n_D
-            slot = np.empty_like(r)
-            slot[order] = np.arange(r.size) - start[r[order]]
-            se[r, L + slot] = np.asarray(expert_I, dtype=np.int64)
+            if most == 1:  # one replica per rank: its first redundant slot
+                se[r, L] = expert_I
+            else:
+                order = np.argsort(r, kind="stable")
+                start = np.cumsum(n_D) - n_D
+                slot = np.empty_like(r)
+                slot[order] = np.arange(r.size) - start[r[order]]
+                se[r, L + slot] = np.asarray(expert_I, dtype=np.int64)
+        se.flags.writeable = False
         return cls(se, num_experts, ranks_per_node, OWNER, L)
 
     @classmethod
@@ -192,10 +196,12 @@ class Placement:
     def replica_slot_R(self) -> np.ndarray:
         return self._replicas[2]
 
-    @property
+    @cached_property
     def expert_ptr(self) -> np.ndarray:
         """int64 [E+1]: replicas of expert e are replica ids expert_ptr[e]:expert_ptr[e+1]."""
-        return self._replicas[3]
+        ptr = np.searchsorted(self.replica_expert_R, np.arange(self.num_experts + 1)).astype(np.int64)
+        ptr.flags.writeable = False
+        return ptr
 
     @property
     def num_replicas(self) -> int:
@@ -229,29 +235,51 @@ class Placement:
 
 
 def _replica_table(se: np.ndarray, num_experts: int):
-    """Filled slots of se (int64 [D, S], entries in [-1, E)) as replicas sorted by (expert, rank):
-    (expert_R, rank_R, slot_R, expert_ptr [E+1]), all read-only. PlanError naming the lowest rank
-    that hosts an expert twice."""
+    """Filled slots of se (int64 [D, S]) as replicas sorted by (expert, rank): (expert_R, rank_R,
+    slot_R), read-only. PlanError for an entry outside [0, E) other than -1 (empty), then naming
+    the lowest rank that hosts an expert twice."""
     D, S = se.shape
+    E = num_experts
+    if se.size and (se.min() < -1 or se.max() >= E):
+        d, s = np.argwhere((se < -1) | (se >= E))[0]
+        raise PlanError(f"slot ({d}, {s}) holds expert {se[d, s]}, outside [0, {E}) (or -1 for empty)")
+    # a stable sort by expert keeps equal experts in slot-table order, i.e. by rank: the replica
+    # order. Empty slots (-1) sort first; the owner slots are already in order (timsort's runs).
     flat = se.ravel()
-    idx = np.flatnonzero(flat >= 0)
-    d = idx // S
-    key = flat[idx] * D + d  # by expert, then rank: unique unless a rank hosts an expert twice
-    order = np.argsort(key, kind="stable")
-    key = key[order]
-    if key.size > 1:
-        dup = key[1:] == key[:-1]
-        if dup.any():
-            r = int((key[1:][dup] % D).min())
-            raise PlanError(f"rank {r} hosts an expert twice: slots {se[r].tolist()}")
-    idx = idx[order]
-    d = d[order]
-    e = key // D
-    s = idx - d * S
-    ptr = np.searchsorted(e, np.arange(num_experts + 1))
-    for a in (e, d, s, ptr):
+    order = np.argsort(flat, kind="stable")
+    e = flat[order]
+    n_empty = int(np.searchsorted(e, 0))
+    e, order = e[n_empty:], order[n_empty:]
+    d = order // S
+    key = e * D + d
+    dup = key[1:] == key[:-1]
+    if np.count_nonzero(dup):
+        r = int((key[1:][dup] % D).min())
+        raise PlanError(f"rank {r} hosts an expert twice: slots {se[r].tolist()}")
+    s = order - d * S
+    for a in (e, d, s):
         a.flags.writeable = False
-    return e, d, s, ptr
+    return e, d, s
+
+
+@lru_cache(maxsize=64)
+def _owner_slots(num_experts: int, num_ranks: int, L: int, S: int) -> tuple[np.ndarray, np.ndarray]:
+    """Flat indices into a [D, S] slot table of the D*L owner slots, and the stock EP expert (or -1)
+    each must hold (int64 [D*L] each, cached, read-only): a contiguous compare instead of a strided one."""
+    idx = (np.arange(num_ranks, dtype=np.int64)[:, None] * S + np.arange(L)).ravel()
+    want = _owner_block(num_experts, num_ranks, L).ravel()
+    idx.flags.writeable = False
+    return idx, want
+
+
+@lru_cache(maxsize=64)
+def _owner_template(num_experts: int, num_ranks: int, slots: int) -> np.ndarray:
+    """int64 [D, L + slots] (read-only, cached): the owner block, redundant slots empty."""
+    L = owner_slots_needed(num_experts, num_ranks)
+    se = np.full((num_ranks, L + slots), -1, dtype=np.int64)
+    se[:, :L] = _owner_block(num_experts, num_ranks, L)
+    se.flags.writeable = False
+    return se
 
 
 @lru_cache(maxsize=64)
@@ -297,13 +325,13 @@ class Plan:
             r = int(np.argmin(quota))
             raise PlanError(f"replica {r} (expert {p.replica_expert_R[r]} on rank {p.replica_rank_R[r]}) "
                             f"has a negative token count {quota[r]}")
-        got_E = np.bincount(p.replica_expert_R, weights=quota, minlength=p.num_experts).astype(np.int64)
-        if not np.array_equal(got_E, self.load_E):
+        got_E = np.bincount(p.replica_expert_R, weights=quota, minlength=p.num_experts)  # exact below 2**53
+        if np.count_nonzero(got_E != self.load_E):
             e = int(np.flatnonzero(got_E != self.load_E)[0])
             hosts = p.replica_rank_R[p.expert_ptr[e]:p.expert_ptr[e + 1]].tolist()
             if not hosts:
                 raise PlanError(f"expert {e} has {self.load_E[e]} tokens but no rank hosts it")
-            raise PlanError(f"expert {e}: its replicas on ranks {hosts} compute {got_E[e]} tokens, "
+            raise PlanError(f"expert {e}: its replicas on ranks {hosts} compute {int(got_E[e])} tokens, "
                             f"but {self.load_E[e]} are routed to it")
 
     # -- constructors ---------------------------------------------------------------------------

@@ -1,31 +1,36 @@
 """Cascading exports: the core of `ultraep` (owner layout, R redundant slots per rank, threshold T).
 
 Ranks above T ("givers") must export their excess from the experts they own; ranks below T
-("takers") have slack. Both algorithms here move tokens along a *chain*: a carry (tokens of one
-expert) enters a rank, which either keeps part of it and passes the rest on (a taker), or keeps all
-of it and passes on its own hottest expert instead, now carrying its own excess too (a giver: the
-*cascade*). Every rank then receives at most one piece, so one redundant slot per rank suffices.
+("takers") have slack. Tokens move along a *chain*: a carry (tokens of one expert) reaches a rank,
+which either keeps part of it and passes the rest on (a taker), or keeps all of it and passes on
+its own hottest expert instead, now carrying its own excess too (a giver: the *cascade*, an owner
+giving away its own tokens to make room for another expert's tail). Every rank then receives at
+most one piece, so one redundant slot per rank suffices.
 
-`cascade` (vectorized, the hot path) fixes the chain order up front: givers after the first in
-decreasing order of absorbing room w = hottest owned load - excess, takers by decreasing slack,
-each giver inserted just before the taker its carry could not fill. In the line picture
-(McNaughton's wrap-around) the excesses are laid end to end over the takers' slacks; wherever a
-boundary between two givers' streams falls inside a taker, the next giver absorbs the short tail
-(the `gap`, less than that taker's slack) instead, so every boundary lands on a taker cut. A giver
-whose carry exceeds its hottest expert splits the rest over its next experts, again at taker cuts.
+`cascade` (the hot path) fixes the chain's order up front and walks it once. In McNaughton's
+wrap-around picture the givers' excesses are laid end to end over the takers' slacks; wherever the
+boundary between two givers' streams falls inside a taker, the second giver absorbs the short tail
+(the `gap`, less than that taker's slack) and exports that much more of its hottest expert, so that
+every boundary lands on a taker cut. A giver whose carry exceeds its hottest expert spreads it over
+its next hottest experts, again changing expert only at taker cuts; if it cannot, `cascade` gives up.
+`cascade_np` is the same walk in numpy (cumulative sums), for many ranks.
 
-Guarantee: at T = ceil(total / D) the line always fits (the slacks sum to at least the excesses),
-every taker receives one piece and every giver at most one, and the only condition is
-gap + excess <= hottest owned load for every giver; gap < the largest slack, so it holds when
-every giver's owned load outside its hottest expert is at most T - (largest slack), in particular
-whenever every rank owns at most one expert (E <= D): then max load = ceil(mean), the optimum.
+Guarantee: at T = ceil(total / D) the slacks cover the excesses, every taker receives one piece and
+every giver at most one, and the only condition is gap + excess <= hottest owned load for every
+giver. gap < some taker's slack, so it holds whenever every giver's owned load outside its hottest
+expert is at most T - (the largest slack), for any chain order; in particular whenever every rank
+owns at most one expert (E <= D), where max load = ceil(mean), the optimum.
 
-`chain_greedy` (sequential, the fallback) chooses the chain as it goes: absorb the carry at the
-giver with the least room that fits it, else fill the taker with the most slack that the carry
-covers, else end the carry at the best-fitting taker (or push the residual back to a pending sibling
-stream of the chain's first giver). It is searched over T by `search_threshold`.
+`chain_greedy` (the fallback) builds the chain as it goes: absorb the carry at the giver with the
+least room that still fits it, else fill the taker with the most slack that the carry covers, else
+end the carry at the best-fitting taker, or push the residual back to a pending sibling stream of
+the chain's first giver so that the chain ends exactly. `search_threshold` searches it over T.
 
-Legend: D ranks, E experts, G givers, K takers, I exported pieces (expert, rank, tokens).
+Chain order: givers by decreasing room w = hottest owned load - excess (the one with the least
+room leads: it absorbs nothing), takers by decreasing slack, lower rank first on ties. Given
+ranks_per_node < D, nodes come first in that key, visited so that the running sum of their net
+excess stays near zero (exports stay inside a node where they can). Legend: D ranks, E experts,
+N nodes; a piece is (expert, rank, tokens).
 """
 from __future__ import annotations
 
@@ -35,8 +40,7 @@ import numpy as np
 
 from ..plan import owner_of_experts, owner_slots_needed
 
-
-_BIG = 1 << 60  # above any |load| difference: sorts givers ahead of takers in one key
+_NEVER = 1 << 62  # slack of the taker past the last one
 
 
 class OwnerBlocks:
@@ -53,18 +57,18 @@ class OwnerBlocks:
         ok = idx < E
         ok[ok] = self.owner_E[idx[ok]] == np.nonzero(ok)[0]
         self.idx_DL = np.where(ok, idx, E).astype(np.int64)
-        self.first_D = first.astype(np.int64)
-        # single: every rank owns at most one expert; block: every rank owns exactly L = E/D
-        self.single = E <= D
-        self.block = E % D == 0 and not self.single
-        self.dense = E >= D
+        self._first = first.astype(np.int64)
+        self.first_D = first.tolist()                               # rank d owns experts
+        self.count_D = (self.idx_DL < E).sum(axis=1).tolist()      # first_D[d] .. + count_D[d] - 1
+        self.single = E <= D                     # every rank owns at most one expert
+        self.block = E % D == 0 and not self.single  # every rank owns exactly E/D > 1
 
     def rank_loads(self, load_E: np.ndarray) -> np.ndarray:
         """int64 [D]: tokens every rank owns."""
         if self.block:
             return load_E.reshape(self.D, -1).sum(axis=1)
-        if self.dense:
-            return np.add.reduceat(load_E, self.first_D)
+        if not self.single:
+            return np.add.reduceat(load_E, self._first)
         base = np.zeros(self.D, dtype=np.int64)
         base[self.owner_E] = load_E
         return base
@@ -75,115 +79,210 @@ class OwnerBlocks:
         if self.single:
             return base_D, self.idx_DL[:, 0]
         if self.block:
-            e = self.first_D + load_E.reshape(self.D, -1).argmax(axis=1)
-            return load_E[e], e
-        m = np.append(load_E, -1)[self.idx_DL]
-        e = self.idx_DL[np.arange(self.D), m.argmax(axis=1)]
+            e = self._first + load_E.reshape(self.D, -1).argmax(axis=1)
+        else:
+            e = self.idx_DL[np.arange(self.D), np.append(load_E, -1)[self.idx_DL].argmax(axis=1)]
         return load_E[e], e
 
-    def owned_desc(self, load: list, d: int) -> list[tuple[int, int]]:
-        """Rank d's experts as (load, expert), hottest first, lower id on ties (Python lists)."""
-        row = [e for e in self.idx_DL[d].tolist() if e < self.E]
-        return sorted(((load[e], e) for e in row), key=lambda t: (-t[0], t[1]))
+    def owned_desc(self, load_E: np.ndarray):
+        """owned_desc(d) -> rank d's experts as [(load, expert)], hottest first, lower id on ties."""
+        first, count = self.first_D, self.count_D
+
+        def owned(d: int) -> list[tuple[int, int]]:
+            a = first[d]
+            b = a + count[d]
+            return sorted(zip(load_E[a:b].tolist(), range(a, b)), key=_hottest_first)
+
+        return owned
 
 
-# -- vectorized cascade ----------------------------------------------------------------------------
-def cascade(T: int, load_E: np.ndarray, base_D: np.ndarray, blocks: OwnerBlocks):
-    """Exports at threshold T along the fixed chain order described in the module docstring.
+def _hottest_first(t: tuple[int, int]) -> tuple[int, int]:
+    return -t[0], t[1]
 
-    Returns (expert_I, rank_I, tokens_I) int64 with every (expert, rank) distinct, every rank
-    receiving at most one piece and every rank ending at or below T; None if some giver's carry
-    cannot be split over its experts at taker cuts (the caller falls back to `chain_greedy`).
-    Needs T >= ceil(sum(load_E) / D), so that the slacks cover the excesses, and some giver.
+
+def node_order(net_N: list, first: int) -> list:
+    """Position of every node in the chain: `first` leads; then, while the running sum of net
+    excess (net_N: excess - slack per node) is positive, the node with the largest deficit next,
+    else the one with the largest surplus (lower node first on ties)."""
+    rest = [n for n in range(len(net_N)) if n != first]
+    plus = sorted((n for n in rest if net_N[n] > 0), key=lambda n: (-net_N[n], n))
+    minus = sorted((n for n in rest if net_N[n] <= 0), key=lambda n: (net_N[n], n))
+    pos = [0] * len(net_N)
+    run, i, j = net_N[first], 0, 0
+    for k in range(1, len(net_N)):
+        if j >= len(minus) or (run <= 0 and i < len(plus)):
+            n, i = plus[i], i + 1
+        else:
+            n, j = minus[j], j + 1
+        pos[n] = k
+        run += net_N[n]
+    return pos
+
+
+def cascade(T: int, base: list, hot: list, hot_e: list, owned_desc, ranks_per_node: int):
+    """Exports at threshold T along the fixed chain order (module docstring).
+
+    base, hot, hot_e: lists [D] of owned tokens and hottest owned expert (load, id) per rank;
+    owned_desc(d): rank d's (load, expert) hottest first; ranks_per_node: G, or D to ignore nodes.
+    Needs T >= ceil(sum(base) / D) and some rank above T. Every rank receives at most one piece:
+    returns lists (expert_D, tokens_D) [D], the expert whose tokens rank d computes besides its own
+    (-1 for none) and how many; every rank ends at or below T. None if some giver's carry cannot be
+    split over its experts at taker cuts.
     """
-    hot_D, hot_e_D = blocks.hottest(load_E, base_D)
-    sig = T - base_D
-    over = sig < 0
-    # one stable sort: givers by decreasing room w = hottest - excess, then takers by decreasing
-    # slack, then ranks exactly at T; lower rank first on ties
-    order = np.argsort(-np.where(over, hot_D + sig + _BIG, sig), kind="stable")
-    G = int(np.count_nonzero(over))
-    K = int(np.count_nonzero(sig)) - G
-    # the giver with the least room leads: it absorbs nothing
-    giv = np.concatenate((order[G - 1:G], order[:G - 1]))
-    tak = order[G:G + K]
-    neg_x = sig[giv]
-    X = -np.cumsum(neg_x)
-    s = sig[tak]
-    S0 = np.zeros(K + 1, dtype=np.int64)
-    np.cumsum(s, out=S0[1:])
-    Xprev = X + neg_x
-    start = S0[np.searchsorted(S0, Xprev, side="right") - 1]  # the taker cut each stream starts at
-    gap = Xprev - start                                         # tail of the previous stream it absorbs
-    hot_e = hot_e_D[giv]
-    seg_start, seg_e, last_e = start, hot_e, hot_e
-    if (X - start > hot_D[giv]).any():
-        got = _split_at_cuts(giv, start, X, hot_D[giv], S0, load_E, blocks, hot_e)
-        if got is None:
-            return None
-        seg_start, seg_e, last_e = got
-    end = int(X[-1])
-    n = int(np.searchsorted(S0, end, side="left"))  # takers 0..n-1 receive a piece
-    a = s[:n].copy()
-    a[-1] = end - int(S0[n - 1])
-    seg = np.searchsorted(seg_start, S0[:n], side="right") - 1
-    ab = np.flatnonzero(gap)
-    e_I = np.concatenate((seg_e[seg], last_e[ab - 1]))
-    d_I = np.concatenate((tak[:n], giv[ab]))
-    a_I = np.concatenate((a, gap[ab]))
-    return e_I, d_I, a_I
-
-
-def _split_at_cuts(giv, start, X, hot, S0, load_E, blocks, hot_e):
-    """Stream segments (start int64 [*], expert int64 [*]) sorted by start, and the expert whose
-    tail each giver's successor absorbs, when some givers spread their carry over several experts,
-    changing expert only at taker cuts. None if impossible."""
-    load = load_E.tolist()
-    starts, experts, ends = start.tolist(), hot_e.tolist(), X.tolist()
-    last_e = hot_e.copy()
-    extra: list[tuple[int, int, int, int]] = []  # (start, chain index, part, expert)
-    cuts = S0.tolist()
-    for i in np.flatnonzero(X - start > hot).tolist():
-        pos, end = starts[i], ends[i]
-        own = blocks.owned_desc(load, int(giv[i]))
-        part = 0
-        for k, (l, e) in enumerate(own):
-            if end - pos <= l:
+    D, G = len(base), ranks_per_node
+    giv, tak = [], []
+    if G < D:
+        net = [0] * (D // G)
+        for d, b in enumerate(base):
+            sd = T - b
+            net[d // G] -= sd
+            if sd < 0:
+                giv.append((-(hot[d] + sd), d))  # key: minus the room w = hottest - excess
+            elif sd > 0:
+                tak.append((-sd, d))
+        lead = max(giv)                          # least room (higher rank on ties): absorbs nothing
+        pos = node_order(net, lead[1] // G)
+        giv = [lead] + [t[1:] for t in sorted((pos[d // G], k, d) for k, d in giv if d != lead[1])]
+        tak = [t[1:] for t in sorted((pos[d // G], k, d) for k, d in tak)]
+    else:
+        for d, b in enumerate(base):
+            sd = T - b
+            if sd < 0:
+                giv.append((-(hot[d] + sd), d))
+            elif sd > 0:
+                tak.append((-sd, d))
+        giv.sort()
+        tak.sort()
+        giv.insert(0, giv.pop())
+    got_e, got_a = [-1] * D, [0] * D
+    K, j, c, cur = len(tak), 0, 0, -1
+    s_j = -tak[0][0]
+    for _, g in giv:
+        while s_j <= c:                          # the carry fills whole takers
+            t = tak[j][1]
+            got_e[t], got_a[t] = cur, s_j
+            c -= s_j
+            j += 1
+            s_j = -tak[j][0] if j < K else _NEVER
+        if c:                                    # g absorbs the tail, passes its own expert on
+            got_e[g], got_a[g] = cur, c
+        c += base[g] - T
+        if c <= hot[g]:
+            cur = hot_e[g]
+            continue
+        for left, e in owned_desc(g):            # several experts, changing only at taker cuts
+            while s_j <= left and s_j < c:
+                t = tak[j][1]
+                got_e[t], got_a[t] = e, s_j
+                c -= s_j
+                left -= s_j
+                j += 1
+                s_j = -tak[j][0] if j < K else _NEVER
+            if c <= left:
+                cur = e
                 break
-            # the furthest taker cut this expert can reach; the next expert starts there
-            c = cuts[bisect_right(cuts, pos + l) - 1]
-            if c <= pos or k + 1 >= len(own):
-                return None
-            part += 1
-            extra.append((c, i, part, own[k + 1][1]))
-            pos = c
         else:
             return None
-        last_e[i] = own[part][1]
-    rows = [(starts[i], i, 0, experts[i]) for i in range(len(starts))] + extra
-    rows.sort()
-    arr = np.array(rows, dtype=np.int64)
-    return arr[:, 0], arr[:, 3], last_e
+    while c > 0:                                 # the last carry spreads over the next takers
+        t = tak[j][1]
+        got_e[t], got_a[t] = cur, (s_j if s_j < c else c)
+        c -= s_j
+        j += 1
+        s_j = -tak[j][0] if j < K else _NEVER
+    return got_e, got_a
+
+
+def cascade_np(T: int, base_D: np.ndarray, hot_D: np.ndarray, hot_e_D: np.ndarray, owned_desc,
+               ranks_per_node: int):
+    """`cascade` vectorized (int64 arrays [D] in, int64 arrays (expert_D, tokens_D) out): the same
+    chain order and the same exports, in a fixed number of numpy calls plus a Python step per giver
+    that spreads its carry over several experts. Faster than the plain loop from a few hundred ranks.
+
+    The walk reduces to cumulative sums: giver i's stream starts at the last taker cut at or below
+    the excess of the givers before it (Xprev_i); the difference is the tail (gap) it absorbs.
+    """
+    D, G = base_D.size, ranks_per_node
+    sig = T - base_D
+    over = sig < 0
+    w = hot_D + sig
+    if G < D:
+        net = (-sig).reshape(-1, G).sum(axis=1).tolist()
+        gi = np.flatnonzero(over)
+        lead = int(gi[np.flatnonzero(w[gi] == w[gi].min())[-1]])  # least room, higher rank on ties
+        node_key = np.repeat(np.array(node_order(net, lead // G), dtype=np.int64) << 42, G)
+    else:
+        lead = -1
+        node_key = 0
+    # one stable sort, lower rank first on ties: givers by (node, decreasing room), then takers by
+    # (node, decreasing slack), then ranks at T
+    key = node_key + ((1 << 41) - np.where(over, w, sig))
+    key = np.where(over, key - (1 << 61), np.where(sig > 0, key - (1 << 60), key))
+    order = np.argsort(key, kind="stable")
+    n_giv = int(np.count_nonzero(over))
+    n_tak = int(np.count_nonzero(sig)) - n_giv
+    giv = order[:n_giv]
+    if lead < 0:
+        lead = int(giv[-1])
+    giv = np.concatenate(([lead], giv[giv != lead]))
+    tak = order[n_giv:n_giv + n_tak]
+    s = sig[tak]
+    S0 = np.zeros(n_tak + 1, dtype=np.int64)
+    np.cumsum(s, out=S0[1:])
+    X = np.cumsum(-sig[giv])
+    end = int(X[-1])
+    k = np.searchsorted(S0, X + sig[giv], side="right") - 1  # taker where each stream starts
+    k[0] = 0
+    gap = X + sig[giv] - S0[k]
+    n = int(np.searchsorted(S0, end, side="left"))            # takers 0..n-1 receive a piece
+    hot_e = hot_e_D[giv]
+    label = np.repeat(hot_e, np.diff(np.append(k, n)))        # expert filling each taker
+    last_e = hot_e.copy()                                     # expert each stream ends with
+    for i in np.flatnonzero(X - S0[k] > hot_D[giv]).tolist():
+        j, c, stop = int(k[i]), int(X[i] - S0[k[i]]), (int(k[i + 1]) if i + 1 < giv.size else n)
+        for left, e in owned_desc(int(giv[i])):
+            while j < n_tak and s[j] <= left and s[j] < c:
+                label[j] = e
+                c -= int(s[j])
+                left -= int(s[j])
+                j += 1
+            if c <= left:
+                last_e[i] = e
+                label[j:stop] = e
+                break
+        else:
+            return None
+    e_D = np.full(D, -1, dtype=np.int64)
+    a_D = np.zeros(D, dtype=np.int64)
+    e_D[tak[:n]] = label
+    a_D[tak[:n]] = s[:n]
+    a_D[tak[n - 1]] = end - S0[n - 1]
+    ab = np.flatnonzero(gap)
+    e_D[giv[ab]] = last_e[ab - 1]
+    a_D[giv[ab]] = gap[ab]
+    return e_D, a_D
 
 
 # -- sequential chain greedy -----------------------------------------------------------------------
-def chain_greedy(T: int, load: list, base: list, blocks: OwnerBlocks, slots: int):
+def chain_greedy(T: int, base: list, owned_desc, slots: int, lead: str = "room"):
     """Exports at threshold T as a list of [expert, rank, tokens], or None if the chain runs out of
-    receivers. Pure Python on lists: load (E ints), base (D ints)."""
-    D = blocks.D
+    receivers. base: owned tokens per rank (list [D]); owned_desc(d): rank d's (load, expert),
+    hottest first. A chain starts at the giver with the least room (lead="room") or the least
+    excess (lead="excess")."""
+    D = len(base)
     sig = [T - b for b in base]
     free = [slots] * D
     takers = sorted((sig[d], d) for d in range(D) if sig[d] > 0)
-    own = {d: blocks.owned_desc(load, d) for d in range(D) if sig[d] < 0}
+    own = {d: owned_desc(d) for d in range(D) if sig[d] < 0}
     room = {d: own[d][0][0] + sig[d] for d in own}               # w = hottest - excess
     absorbers = sorted((w, d) for d, w in room.items() if w >= 0)
-    starters = sorted((w, d) for d, w in room.items())
+    skey = room if lead == "room" else {d: -sig[d] for d in own}
+    starters = sorted((k, d) for d, k in skey.items())
     pieces: list[list[int]] = []
     pending: list[list[int]] = []                                # side streams [e, tokens, cap, giver]
 
     def start(g: int, c: int):
         """Giver g takes carry c (or starts a chain, c = 0) and emits c + excess, hottest first."""
-        del starters[bisect_left(starters, (room[g], g))]
+        del starters[bisect_left(starters, (skey[g], g))]
         i = bisect_left(absorbers, (room[g], g))
         if i < len(absorbers) and absorbers[i][1] == g:
             del absorbers[i]

@@ -6,17 +6,20 @@ slots; each export is a replica with an integer token quota and the owner keeps 
 
 Exports cascade (see `cascade.py`): an overloaded rank may take the tail of another rank's export
 and pass on more of its own hottest expert, so that every rank receives at most one piece. The
-vectorized cascade at T = ceil(mean) is tried first; it is optimal whenever every rank owns at most
-one expert (E <= D) and usually succeeds otherwise. If it cannot split some carry at taker cuts, the
-sequential chain greedy is searched over T (gallop, then bisect to within 1/1024 of the mean).
+cascade at T = ceil(mean) is tried first (a plain loop, or numpy from _VECTORIZE_FROM ranks); it
+is optimal whenever every rank owns at most one expert (E <= D) and usually succeeds otherwise.
+If it cannot split some carry at taker cuts, the cascade and the sequential chain greedy are
+searched over T (gallop, then bisect to within 1/1024 of the mean).
 """
 from __future__ import annotations
 
 import numpy as np
 
-from ..plan import Placement, Plan
+from ..plan import OWNER, Placement, Plan, _owner_template
 from .base import PlannerBase
-from .cascade import OwnerBlocks, cascade, chain_greedy, search_threshold
+from .cascade import OwnerBlocks, cascade, cascade_np, chain_greedy, search_threshold
+
+_VECTORIZE_FROM = 256  # ranks from which numpy's fixed call overhead beats the plain loop
 
 
 class UltraEPPlanner(PlannerBase):
@@ -25,41 +28,67 @@ class UltraEPPlanner(PlannerBase):
     def check_config(self) -> None:
         cfg = self.cfg
         self._blocks = OwnerBlocks(cfg.num_experts, cfg.num_ranks)
-        self._owner = self._blocks.owner_E
-        self._owner_key = np.arange(cfg.num_experts, dtype=np.int64) * cfg.num_ranks + self._owner
+        # owner replicas' sort keys (expert * D + rank), to merge exports into replica order
+        self._owner_key = np.arange(cfg.num_experts, dtype=np.int64) * cfg.num_ranks + self._blocks.owner_E
 
     def plan(self, counts_DE, state=None):
         counts = self.counts(counts_DE)
         cfg = self.cfg
-        D = cfg.num_ranks
+        D, blocks = cfg.num_ranks, self._blocks
         load_E = counts.sum(axis=0)
-        base_D = self._blocks.rank_loads(load_E)
-        total = int(base_D.sum())
-        lo, hi = -(-total // D), int(base_D.max())
-        pieces, threshold, how = None, hi, "stock"
+        base_D = blocks.rank_loads(load_E)
+        base = base_D.tolist()
+        lo, hi = -(-sum(base) // D), max(base)
+        got, threshold, how = None, hi, "stock"
         if hi > lo and cfg.slots > 0:
-            pieces, threshold, how = cascade(lo, load_E, base_D, self._blocks), lo, "cascade"
-            if pieces is None:
-                load, base = load_E.tolist(), base_D.tolist()
-                threshold, found = search_threshold(
-                    lo, hi, lambda T: chain_greedy(T, load, base, self._blocks, cfg.slots))
-                pieces, how = np.array(found, dtype=np.int64).reshape(-1, 3).T, "chain"
-        placement, quota = self._build(load_E, pieces)
-        info = {"threshold": threshold, "mean_bound": lo, "exports": 0 if pieces is None else int(pieces[0].size),
-                "method": how}
+            hot_D, hot_e_D = blocks.hottest(load_E, base_D)
+            owned_desc = blocks.owned_desc(load_E)
+            # visit nodes in turn only where the order cannot break the cascade (one expert per
+            # rank); otherwise decreasing room and slack over all ranks keep its gaps small
+            G = cfg.ranks_per_node if blocks.single else D
+            if D >= _VECTORIZE_FROM:
+                got = cascade_np(lo, base_D, hot_D, hot_e_D, owned_desc, G)
+            else:
+                got = cascade(lo, base, hot_D.tolist(), hot_e_D.tolist(), owned_desc, G)
+            threshold, how = lo, "cascade"
+            if got is None:
+                hot, hot_e = hot_D.tolist(), hot_e_D.tolist()
+
+                def feasible(T):
+                    got = cascade(T, base, hot, hot_e, owned_desc, D) if T > lo else None
+                    if got is not None:
+                        return [(e, d, a) for d, (e, a) in enumerate(zip(*got)) if e >= 0]
+                    got = chain_greedy(T, base, owned_desc, cfg.slots, "room")
+                    return got if got is not None else chain_greedy(T, base, owned_desc, cfg.slots, "excess")
+
+                threshold, got = search_threshold(lo, hi, feasible)
+                how = "chain"
+        placement, quota, n = self._build(load_E, got, how)
+        info = {"threshold": threshold, "mean_bound": lo, "exports": n, "method": how}
         return Plan.from_quotas(placement, counts, quota, policy=self.name, info=info), None
 
-    def _build(self, load_E: np.ndarray, pieces):
-        """Placement and quotas from exports (expert_I, rank_I, tokens_I), distinct (expert, rank)
-        pairs off the owners. Replicas are numbered by (expert, rank): owners and exports merged."""
+    def _build(self, load_E: np.ndarray, got, how: str):
+        """Placement, quotas and number of exports. got: per-rank lists (expert_D, tokens_D) from
+        `cascade` (how="cascade"), else a list of [expert, rank, tokens] pieces (distinct pairs off
+        the owners). Replicas are numbered by (expert, rank), owners and exports merged."""
         cfg = self.cfg
         D, E = cfg.num_ranks, cfg.num_experts
-        if pieces is None or pieces[0].size == 0:
-            placement = Placement.owner_from_pairs(E, D, cfg.ranks_per_node, cfg.slots, (), ())
-            return placement, load_E
-        e_I, d_I, a_I = pieces
-        placement = Placement.owner_from_pairs(E, D, cfg.ranks_per_node, cfg.slots, d_I, e_I)
+        if not got:
+            return Placement.owner_from_pairs(E, D, cfg.ranks_per_node, cfg.slots, (), ()), load_E, 0
+        if how == "cascade":  # at most one piece per rank: it goes to the rank's first redundant slot
+            e_D, a_D = (np.asarray(x, dtype=np.int64) for x in got)
+            se = _owner_template(E, D, cfg.slots).copy()
+            L = self._blocks.idx_DL.shape[1]
+            se[:, L] = e_D
+            se.flags.writeable = False
+            p = Placement(se, E, cfg.ranks_per_node, OWNER, L)
+            # tokens each expert exports (shifted by one: a rank receiving nothing has expert -1)
+            sent_E = np.bincount(e_D + 1, weights=a_D, minlength=E + 1)[1:].astype(np.int64)
+            quota = np.where(p.is_moved_R, a_D[p.replica_rank_R], (load_E - sent_E)[p.replica_expert_R])
+            quota.flags.writeable = False  # owned and frozen: Plan keeps it without a copy
+            return p, quota, p.num_replicas - E
+        e_I, d_I, a_I = np.array(got, dtype=np.int64).reshape(-1, 3).T
+        p = Placement.owner_from_pairs(E, D, cfg.ranks_per_node, cfg.slots, d_I, e_I)
         kept_E = load_E - np.bincount(e_I, weights=a_I, minlength=E).astype(np.int64)
-        order = np.argsort(np.concatenate((self._owner_key, e_I * D + d_I)), kind="stable")
-        quota = np.concatenate((kept_E, a_I))[order]
-        return placement, quota
+        quota = np.concatenate((kept_E, a_I))[np.argsort(np.concatenate((self._owner_key, e_I * D + d_I)))]
+        return p, quota, int(e_I.size)
