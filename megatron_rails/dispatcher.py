@@ -125,8 +125,9 @@ class RailsTokenDispatcher(MoETokenDispatcher):
                 outs.append(self.store.compute(weights[s], x_Q[start:start + n], pr_Q[start:start + n]))
             start += n
         self.replica_out = torch.cat(outs) if outs else x_Q[n_owner:n_owner]
-        if got is not None:  # keep the received weights in the graph on every rank (see ExpertStore.fetch)
-            self.replica_out = self.replica_out + 0 * got.sum()
+        if got is not None:  # keep the received weights in the graph on every rank (see ExpertStore.fetch);
+            # an empty slice sums to exactly 0, so a non-finite weight cannot leak in as 0 * inf
+            self.replica_out = self.replica_out + got[:0].sum()
         # the stock experts compute the owner slots (none under the sharded layout)
         tokens_per_expert = torch.zeros(self.num_local_experts, dtype=torch.int64)
         tokens_per_expert[:L] = torch.from_numpy(per_slot[:L].copy())
