@@ -16,6 +16,7 @@ rank, Q pairs received, H hidden size.
 from __future__ import annotations
 
 import time
+from collections import deque
 from typing import Optional
 
 import numpy as np
@@ -28,6 +29,9 @@ from .config import PolicyConfig
 from .experts import ExpertStore, ShardedExpertStore
 from .plan import SHARDED, imbalance, stock_load_D
 from .planners import make_planner
+
+
+METRICS_KEPT = 10_000  # per-layer metric records a dispatcher keeps (one per microbatch step)
 
 
 class PlanMismatchError(RuntimeError):
@@ -53,7 +57,8 @@ class RailsTokenDispatcher(MoETokenDispatcher):
             raise NotImplementedError(f"comm: {self.pcfg.comm!r} has no backend in this build; use comm: direct")
         self.comm = DirectAllToAll(self.ep_group)
         self.store: Optional[ExpertStore] = None
-        self.metrics: list[dict] = []
+        # the latest layer steps only: a run of weeks must not grow this without bound
+        self.metrics: deque[dict] = deque(maxlen=METRICS_KEPT)
         self.plan = None
 
     def attach_experts(self, experts: torch.nn.Module) -> None:
@@ -164,12 +169,13 @@ class RailsTokenDispatcher(MoETokenDispatcher):
         send = plan.send_DD
         off_diag = int(send.sum() - np.trace(send))
         expert_bytes = self.store.flat_size * x_TH.element_size() if self.store else 0
+        before_D, after_D = stock_load_D(counts_DE, self.ep_size), plan.load_D
         self.metrics.append({
             "policy": plan.policy,
-            "max_over_mean_before": imbalance(stock_load_D(counts_DE, self.ep_size)),
-            "max_over_mean_after": plan.max_over_mean,
-            "tokens_per_rank_before": stock_load_D(counts_DE, self.ep_size).tolist(),
-            "tokens_per_rank_after": plan.load_D.tolist(),
+            "max_over_mean_before": imbalance(before_D),
+            "max_over_mean_after": imbalance(after_D),
+            "tokens_per_rank_before": before_D.tolist(),
+            "tokens_per_rank_after": after_D.tolist(),
             "replicas_used": int(plan.weight_moves),
             "token_bytes_sent": off_diag * token_bytes,
             "weight_bytes_sent": plan.weight_bytes(expert_bytes),
