@@ -1,7 +1,7 @@
 """Device-agnostic collectives for the dispatcher (gloo on CPU, NCCL on GPU), autograd-aware.
 
 This is the one place the token and weight all-to-alls go through; a communication backend (the
-direct all-to-all here, RailS's multi-phase schedule later) implements `AllToAll.exchange`.
+direct all-to-all here, RailS's multi-phase schedule in rails/alltoall.py) implements `exchange`.
 """
 from __future__ import annotations
 
@@ -55,5 +55,23 @@ class DirectAllToAll:
     def __init__(self, group):
         self.group = group
 
-    def exchange(self, x: torch.Tensor, send_D: Sequence[int], recv_D: Sequence[int]) -> torch.Tensor:
+    def exchange(self, x: torch.Tensor, send_D: Sequence[int], recv_D: Sequence[int], traffic_DD=None) -> torch.Tensor:
+        """x: send_D[j] rows for rank j, in rank order -> recv_D[j] rows from rank j, in rank order.
+        traffic_DD (the full [D, D] send matrix) is accepted for a uniform interface and unused."""
         return all_to_all(x, recv_D, send_D, self.group)
+
+
+def make_comm(pcfg, group):
+    """The communication backend a policy config asks for, on the EP process group."""
+    if pcfg.comm == "direct":
+        return DirectAllToAll(group)
+    from .rails.alltoall import RailsAllToAll
+    from .rails.topology import Topology
+
+    D = dist.get_world_size(group)
+    G = min(pcfg.ranks_per_node or D, D)
+    if D % G:
+        from .config import ConfigError
+
+        raise ConfigError(f"comm: rails needs ranks_per_node ({G}) to divide the expert-parallel size ({D})")
+    return RailsAllToAll(group, Topology(name="ep-group", gpus_per_node=G, rails_per_node=G))

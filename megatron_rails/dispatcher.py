@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 
-from .comm import DirectAllToAll, all_gather_counts
+from .comm import all_gather_counts, make_comm
 from .config import PolicyConfig
 from .experts import ExpertStore, ShardedExpertStore
 from .plan import SHARDED, imbalance, stock_load_D
@@ -53,9 +53,7 @@ class RailsTokenDispatcher(MoETokenDispatcher):
         self.planner = make_planner(self.pcfg.policy, self.pcfg.planner_config(self.ep_size, self.num_experts))
         self.sharded = self.pcfg.policy == "fsep" or (self.pcfg.policy == "lp" and self.pcfg.placement == "fsep")
         self.state = self.planner.initial_state()
-        if self.pcfg.comm != "direct":
-            raise NotImplementedError(f"comm: {self.pcfg.comm!r} has no backend in this build; use comm: direct")
-        self.comm = DirectAllToAll(self.ep_group)
+        self.comm = make_comm(self.pcfg, self.ep_group)
         self.store: Optional[ExpertStore] = None
         # the latest layer steps only: a run of weeks must not grow this without bound
         self.metrics: deque[dict] = deque(maxlen=METRICS_KEPT)
@@ -100,8 +98,9 @@ class RailsTokenDispatcher(MoETokenDispatcher):
 
     # -- 2. exchange ----------------------------------------------------------------------------
     def token_dispatch(self, hidden_states: torch.Tensor, probs: torch.Tensor):
-        x = self.comm.exchange(hidden_states, self.send_D, self.recv_D)
-        pr = self.comm.exchange(probs.unsqueeze(-1), self.send_D, self.recv_D).squeeze(-1)
+        T = self.plan.send_DD
+        x = self.comm.exchange(hidden_states, self.send_D, self.recv_D, T)
+        pr = self.comm.exchange(probs.unsqueeze(-1), self.send_D, self.recv_D, T).squeeze(-1)
         return x, pr
 
     # -- 3. group by slot, compute replicas -------------------------------------------------------
@@ -146,7 +145,7 @@ class RailsTokenDispatcher(MoETokenDispatcher):
         return out
 
     def token_combine(self, hidden_states: torch.Tensor):
-        return self.comm.exchange(hidden_states, self.recv_D, self.send_D)
+        return self.comm.exchange(hidden_states, self.recv_D, self.send_D, self.plan.send_DD.T)
 
     def combine_postprocess(self, hidden_states: torch.Tensor):
         T, H = int(np.prod(self.hidden_shape[:-1])), self.hidden_shape[-1]

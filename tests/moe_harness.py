@@ -20,17 +20,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank, world, port, fn, args, errq):
+def _entry(rank, world, port, fn, args, errq, megatron=True):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world)
-        from megatron_rails.megatron import cpu_shims
+        if megatron:
+            from megatron_rails.megatron import cpu_shims
 
-        cpu_shims.apply()
-        from megatron.core import parallel_state as ps
+            cpu_shims.apply()
+            from megatron.core import parallel_state as ps
 
-        ps.initialize_model_parallel(expert_model_parallel_size=world)
+            ps.initialize_model_parallel(expert_model_parallel_size=world)
         fn(rank, world, *args)
     except BaseException:
         errq.put(f"rank {rank}:\n{traceback.format_exc()}")
@@ -40,11 +41,12 @@ def _entry(rank, world, port, fn, args, errq):
             dist.destroy_process_group()
 
 
-def spawn(fn, world: int, *args) -> None:
+def spawn(fn, world: int, *args, megatron: bool = True) -> None:
+    """megatron=False: plain gloo ranks (no Megatron import, no parallel state) for comm-only tests."""
     ctx = mp.get_context("spawn")
     errq = ctx.SimpleQueue()
     try:
-        mp.start_processes(_entry, args=(world, free_port(), fn, args, errq), nprocs=world, join=True,
+        mp.start_processes(_entry, args=(world, free_port(), fn, args, errq, megatron), nprocs=world, join=True,
                            start_method="spawn")
     except mp.ProcessExitedException as err:
         msgs = []

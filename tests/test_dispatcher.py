@@ -28,7 +28,7 @@ def _routing_input(rng, T, H, E, kind, u):
     return torch.tensor(x, dtype=torch.float32), alpha
 
 
-def _worker(rank, world, policies, routings, seed):
+def _worker(rank, world, policies, routings, seed, comm="direct"):
     import megatron_rails
 
     E, H, T = 8, 16, 12
@@ -39,7 +39,7 @@ def _worker(rank, world, policies, routings, seed):
     base_router = stock.router.weight.detach().clone()
     for policy in policies:
         megatron_rails.install({"policy": policy, "slots": 2, "ranks_per_node": 2, "interval": 3,
-                                "window": 2, "check_plan": True})
+                                "window": 2, "check_plan": True, "comm": comm})
         rails = build_moe_layer(moe_config(world, "alltoall", experts=E, hidden=H))
         megatron_rails.uninstall()
         assert type(rails.token_dispatcher).__name__ == "RailsTokenDispatcher"
@@ -68,7 +68,7 @@ def _worker(rank, world, policies, routings, seed):
                     grads.update({f"experts.{k}": v for k, v in store.owner_layout_grads().items()})
                 outs.append((out.detach(), x.grad.clone(), grads))
             (o1, g1, w1), (o2, g2, w2) = outs
-            where = f"policy {policy}, routing {it} ({kind}), rank {rank}"
+            where = f"policy {policy}, comm {comm}, routing {it} ({kind}), rank {rank}"
             torch.testing.assert_close(o2, o1, rtol=1e-5, atol=1e-5, msg=lambda m: f"{where}: output\n{m}")
             torch.testing.assert_close(g2, g1, rtol=1e-5, atol=1e-5, msg=lambda m: f"{where}: input grad\n{m}")
             for n in w1:  # every stock parameter, expert weights included
@@ -95,6 +95,17 @@ def test_parity_with_stock_allgather(world):
     scale = float(os.environ.get("MEGATRON_RAILS_TEST_SCALE", "1"))
     routings = max(4, int(ROUTINGS[world] * scale))
     spawn(_worker, world, POLICIES, routings, 11 * world)
+
+
+# comm: rails on virtual nodes of 2 ranks (ranks_per_node: 2): 2 nodes x 2 at world 4, 4 x 2 at 8
+RAILS_ROUTINGS = {4: 24, 8: 4}
+
+
+@pytest.mark.parametrize("world", sorted(RAILS_ROUTINGS))
+def test_parity_with_stock_allgather_rails_comm(world):
+    scale = float(os.environ.get("MEGATRON_RAILS_TEST_SCALE", "1"))
+    routings = max(4, int(RAILS_ROUTINGS[world] * scale))
+    spawn(_worker, world, POLICIES, routings, 13 * world, "rails")
 
 def _spec_worker(rank, world):
     from megatron_rails.megatron.compat import rails_gpt_layer_local_spec
