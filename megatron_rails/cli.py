@@ -73,6 +73,11 @@ def cmd_bench(args) -> int:
 
         bench_dispatcher(args.out, reps=3 if args.quick else 10)
         return 0
+    if args.what == "rails":
+        from .rails.bench import bench_rails
+
+        bench_rails(args.out, quick=args.quick, plot=args.plot)
+        return 0
     raise SystemExit(f"unknown benchmark {args.what!r}")
 
 
@@ -104,11 +109,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_plan)
 
     b = sub.add_parser("bench", help="benchmarks; results as JSON (+ PNG)")
-    b.add_argument("what", choices=["planners", "dispatcher"])
+    b.add_argument("what", choices=["planners", "dispatcher", "rails"])
     b.add_argument("--out", required=True, help="JSON output file")
     b.add_argument("--plot", help="PNG output (default: next to --out)")
     b.add_argument("--quick", action="store_true", help="a small grid for smoke runs")
     b.set_defaults(func=cmd_bench)
+
+    s = sub.add_parser("simulate", help="simulators: all-to-all on a rail topology (a2a)")
+    from . import cli_sim
+
+    cli_sim.register(s.add_subparsers(dest="what", required=True))
 
     d = sub.add_parser("demo", help="train a tiny Mixtral-shaped model on 4 CPU ranks: none vs the configured policy")
     d.add_argument("--config", help="policy YAML (default: configs/policies/default.yaml)")

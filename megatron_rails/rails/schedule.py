@@ -43,12 +43,13 @@ class RailSchedule:
     @classmethod
     def from_chunks(cls, topo: Topology, traffic_DD, src, dst, rail, fwd, land, units) -> "RailSchedule":
         """Build from chunks in any order; offsets follow the given order within each message."""
-        arrs = [np.asarray(a, dtype=np.int64) for a in (src, dst, rail, fwd, land, units)]
+        arrs = [np.array(a, dtype=np.int64) for a in (src, dst, rail, fwd, land, units)]  # own copies (frozen below)
         keep = arrs[-1] > 0
-        src, dst, rail, fwd, land, units = (a[keep] for a in arrs)
-        order = np.lexsort((np.arange(src.size), dst, src))  # stable within each message
-        src, dst, rail, fwd, land, units = (a[order] for a in (src, dst, rail, fwd, land, units))
+        src, dst, rail, fwd, land, units = arrs if keep.all() else (a[keep] for a in arrs)
         msg = src * (1 << 32) + dst
+        if msg.size and np.any(msg[1:] < msg[:-1]):
+            order = np.argsort(msg, kind="stable")  # by (src, dst), stable within each message
+            src, dst, rail, fwd, land, units, msg = (a[order] for a in (src, dst, rail, fwd, land, units, msg))
         first = np.r_[True, msg[1:] != msg[:-1]] if msg.size else np.zeros(0, bool)
         csum = np.cumsum(units) - units
         off = csum - np.maximum.accumulate(np.where(first, csum, 0)) if msg.size else csum
@@ -91,9 +92,11 @@ class RailSchedule:
         return np.bincount(self.fwd_K[m], weights=self.units_K[m], minlength=self.num_ranks).astype(np.int64)
 
     def nvlink_out_D(self) -> np.ndarray:
-        """Units each GPU sends over NVLink (intra-node messages + forwarding hops), [D]."""
+        """Units each GPU sends over NVLink (intra-node messages + forwarding hops), [D].
+        A rank's message to itself is a local copy and moves nothing."""
         D, m = self.num_ranks, self.inter
-        out = np.bincount(self.src_K[~m], weights=self.units_K[~m], minlength=D)
+        local = ~m & (self.src_K != self.dst_K)
+        out = np.bincount(self.src_K[local], weights=self.units_K[local], minlength=D)
         hop1 = m & (self.fwd_K != self.src_K)
         out += np.bincount(self.src_K[hop1], weights=self.units_K[hop1], minlength=D)
         hop3 = m & (self.land_K != self.dst_K)
@@ -102,7 +105,8 @@ class RailSchedule:
 
     def nvlink_in_D(self) -> np.ndarray:
         D, m = self.num_ranks, self.inter
-        out = np.bincount(self.dst_K[~m], weights=self.units_K[~m], minlength=D)
+        local = ~m & (self.src_K != self.dst_K)
+        out = np.bincount(self.dst_K[local], weights=self.units_K[local], minlength=D)
         hop1 = m & (self.fwd_K != self.src_K)
         out += np.bincount(self.fwd_K[hop1], weights=self.units_K[hop1], minlength=D)
         hop3 = m & (self.land_K != self.dst_K)
@@ -125,7 +129,17 @@ class RailSchedule:
 
 
 def rails_schedule(traffic_DD, topo: Topology) -> RailSchedule:
-    """The RailS LPT spraying schedule for `traffic_DD` (int [D, D]) on `topo` (sized to D ranks)."""
+    """The RailS LPT spraying schedule for `traffic_DD` (int [D, D]) on `topo` (sized to D ranks).
+
+    Vectorized over all node pairs at once; the rule is the one in the module docstring, stated per
+    pair (a, b) with M messages (i, j, u) (local source, local destination, units):
+      1. rail capacities: base = total // N on every rail, +1 on the `total % N` rails ranked first by
+         (most natural load, then (r - a - b) mod N);
+      2. natural pass, messages in LPT order (-u, i, j): each keeps min(u, room left on rail(j));
+      3. spray pass, leftovers in order (-left, i, j): repeatedly onto the rail with the most room
+         (lowest index on ties), taking min(left, room).
+    A message's chunks are emitted natural piece first, then its sprayed pieces in spray order.
+    """
     T = np.asarray(traffic_DD)
     if T.ndim != 2 or T.shape[0] != T.shape[1]:
         raise ValueError(f"traffic_DD must be square [D, D], got shape {T.shape}")
@@ -135,60 +149,97 @@ def rails_schedule(traffic_DD, topo: Topology) -> RailSchedule:
     topo = topo.for_world(D)
     G, N, gpr, P = topo.gpus_per_node, topo.rails_per_node, topo.gpus_per_rail, topo.nodes
     T = T.astype(np.int64)
-    cols: list[list[int]] = [[], [], [], [], [], []]  # src, dst, rail, fwd, land, units
-    blocks = T.reshape(P, G, P, G)
-    rail_of_local = np.arange(G) // gpr
-    for a in range(P):
-        for b in range(P):
-            blk = blocks[a, :, b, :]
-            if a == b:
-                i, j = np.nonzero(blk)
-                s, d = a * G + i, b * G + j
-                for col, vals in zip(cols, (s, d, np.full(i.size, -1), d, d, blk[i, j])):
-                    col.extend(vals.tolist())
-                continue
-            _spray_pair(a, b, blk, G, N, gpr, rail_of_local, cols)
-    return RailSchedule.from_chunks(topo, T, *cols)
+    s, d = np.nonzero(T)  # row-major: messages in (src, dst) order
+    u = T[s, d]
+    a, b = s // G, d // G
+    intra = a == b
+    parts = [(s[intra], d[intra], np.full(int(intra.sum()), -1, np.int64), d[intra], d[intra], u[intra],
+              np.full(int(intra.sum()), -1, np.int64))]
+    m = ~intra
+    if m.any():
+        parts += _spray(s[m], d[m], u[m], a[m] * P + b[m], G, N, gpr, P)
+    src, dst, rail, fwd, land, units, piece = (np.concatenate(c) for c in zip(*parts))
+    # emission order within each message, as from_chunks expects
+    order = np.argsort((src * D + dst) * (piece.max(initial=-1) + 2) + piece + 1, kind="stable")
+    return RailSchedule.from_chunks(topo, T, src[order], dst[order], rail[order], fwd[order], land[order],
+                                    units[order])
 
 
-def _spray_pair(a, b, blk, G, N, gpr, rail_of_local, cols) -> None:
-    i, j = np.nonzero(blk)
-    if not i.size:
-        return
-    u = blk[i, j]
-    total = int(u.sum())
-    nat = rail_of_local[j]
-    nat_load = np.bincount(nat, weights=u, minlength=N)
-    base, rem = divmod(total, N)
-    cap = np.full(N, base, dtype=np.int64)
-    # the +1 units go to the rails with the most natural load (fewest splits), rotated by the pair
-    # so that a receiver's +1s come in on different rails from different senders
-    cap[np.lexsort(((np.arange(N) - a - b) % N, -nat_load))[:rem]] += 1
-    order = np.lexsort((j, i, -u))  # LPT: largest message first; ties by source, then destination
-    i, j, u, nat = (x[order].tolist() for x in (i, j, u, nat))
-    cap = cap.tolist()
-    src, dst, rail, fwd, land, units = cols
-    spill = []
-    for ii, jj, uu, rr in zip(i, j, u, nat):
-        take = min(uu, cap[rr])
-        if take:
-            cap[rr] -= take
-            _emit(cols, a, b, ii, jj, rr, take, G, gpr)
-        if uu > take:
-            spill.append((uu - take, ii, jj))
-    spill.sort(key=lambda x: (-x[0], x[1], x[2]))
-    for left, ii, jj in spill:
-        while left:
-            rr = max(range(N), key=lambda r: (cap[r], -r))  # the rail with most room; lowest index on ties
-            take = min(left, cap[rr])
-            cap[rr] -= take
-            left -= take
-            _emit(cols, a, b, ii, jj, rr, take, G, gpr)
+def _key(major, minor, span=None):
+    """One int64 sort key ordering by `major`, then `minor` (both int64; `minor` spans < `span`)."""
+    lo = minor.min() if minor.size else 0
+    span = span or (int(minor.max() - lo) + 1 if minor.size else 1)
+    top = int(major.max()) if major.size else 0
+    bot = int(major.min()) if major.size else 0
+    if max(abs(top), abs(bot)) + 1 >= (1 << 62) // span:
+        raise OverflowError("traffic too large for the schedule's int64 sort keys")
+    return major * span + (minor - lo)
 
 
-def _emit(cols, a, b, i, j, r, units, G, gpr) -> None:
-    s, d = a * G + i, b * G + j
-    f = s if i // gpr == r else a * G + r * gpr + i % gpr
-    g = d if j // gpr == r else b * G + r * gpr + j % gpr
-    for col, v in zip(cols, (s, d, r, f, g, units)):
-        col.append(v)
+def _sum_by(key, vals, n) -> np.ndarray:
+    """Exact int64 sums of `vals` grouped by `key` in [0, n)."""
+    out = np.zeros(n, dtype=np.int64)
+    np.add.at(out, key, vals)
+    return out
+
+
+def _spray(s, d, u, pair, G, N, gpr, P) -> list[tuple]:
+    """Chunks of the inter-node messages (s, d, u) of node pairs `pair` = a * P + b (see rails_schedule)."""
+    nat = (d % G) // gpr
+    up, row = np.unique(pair, return_inverse=True)  # pairs with traffic
+    U = up.size
+    load_UN = _sum_by(row * N + nat, u, U * N).reshape(U, N)
+    total = load_UN.sum(axis=1)
+    base, rem = np.divmod(total, N)
+    rot_UN = (np.arange(N)[None, :] - (up // P)[:, None] - (up % P)[:, None]) % N
+    order_UN = np.argsort(_key(-load_UN, rot_UN, N), axis=1)  # most natural load first, then rotation
+    rank_UN = np.empty_like(order_UN)  # position of each rail in the +1 order of its pair
+    np.put_along_axis(rank_UN, order_UN, np.arange(N)[None, :], axis=1)
+    cap_UN = base[:, None] + (rank_UN < rem[:, None])
+
+    # natural pass: per (pair, rail), messages in LPT order keep what fits
+    o = np.argsort(_key(row * N + nat, -u), kind="stable")  # messages come in (i, j) order within a pair
+    g = row[o] * N + nat[o]
+    cs = np.cumsum(u[o])
+    first = np.r_[True, g[1:] != g[:-1]]
+    before = cs - u[o] - np.maximum.accumulate(np.where(first, cs - u[o], 0))
+    take = np.empty_like(u)
+    take[o] = np.clip(cap_UN.ravel()[g] - before, 0, u[o])
+    room_UN = cap_UN - np.minimum(cap_UN, load_UN)
+    out = []
+    k = take > 0
+    out.append(_chunks(s[k], d[k], nat[k], take[k], np.full(int(k.sum()), -1, np.int64), G, gpr))
+
+    # spray pass: leftovers, longest first, onto the rail with the most room
+    left = u - take
+    k = np.flatnonzero(left > 0)
+    if not k.size:
+        return out
+    k = k[np.argsort(_key(row[k], -left[k]), kind="stable")]  # (i, j) order kept on ties
+    r_k = row[k]
+    first = np.r_[True, r_k[1:] != r_k[:-1]]
+    pos = np.arange(k.size) - np.maximum.accumulate(np.where(first, np.arange(k.size), 0))
+    by_pos = np.argsort(pos, kind="stable")
+    bounds = np.searchsorted(pos[by_pos], np.arange(pos.max() + 2))
+    for step in range(pos.max() + 1):  # the step-th leftover of every pair at once (one per pair)
+        sel = k[by_pos[bounds[step]:bounds[step + 1]]]
+        rr, rest, piece = row[sel], left[sel].copy(), 0
+        while sel.size:
+            room = room_UN[rr]
+            r = room.argmax(axis=1)  # most room; argmax keeps the lowest index on ties
+            got = np.minimum(rest, room[np.arange(rr.size), r])
+            assert np.all(got > 0), "spray ran out of room (capacities do not add up to the traffic)"
+            room_UN[rr, r] -= got
+            out.append(_chunks(s[sel], d[sel], r, got, np.full(sel.size, piece, np.int64), G, gpr))
+            rest -= got
+            keep = rest > 0
+            sel, rr, rest, piece = sel[keep], rr[keep], rest[keep], piece + 1
+    return out
+
+
+def _chunks(s, d, r, units, piece, G, gpr) -> tuple:
+    """(src, dst, rail, fwd, land, units, piece) of chunks of s -> d on rails r."""
+    i, j = s % G, d % G
+    fwd = np.where(i // gpr == r, s, s - i + r * gpr + i % gpr)
+    land = np.where(j // gpr == r, d, d - j + r * gpr + j % gpr)
+    return s, d, r.astype(np.int64), fwd, land, units, piece

@@ -1,0 +1,443 @@
+"""RailS scheduler properties, the all-to-all flow model, traffic families, `simulate a2a` and `bench rails`."""
+import json
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from megatron_rails import cli
+from megatron_rails.planners import PlannerError
+from megatron_rails.rails.schedule import rails_schedule
+from megatron_rails.rails.sim import (SCHEMES, direct_schedule, ecmp_rail, ecmp_schedule, lower_bound_us,
+                                      resource_loads, simulate)
+from megatron_rails.rails.topology import Topology, load_topology
+from megatron_rails.rails.traffic import TrafficError, make_traffic, parse_traffic
+
+ROOT = Path(__file__).resolve().parents[1]
+# (nodes, gpus_per_node, rails_per_node): the virtual topologies of the issue, plus two GPUs per rail
+VIRTUAL = [(2, 2, 2), (2, 4, 4), (4, 2, 2), (3, 8, 8), (3, 8, 4), (2, 8, 4)]
+
+
+def topo_of(P, G, N, **kw):
+    return Topology(name=f"{P}x{G}r{N}", gpus_per_node=G, rails_per_node=N, nodes=P, **kw)
+
+
+def random_traffic(rng, D, kind):
+    if kind == 0:
+        return rng.integers(0, 6, (D, D))
+    if kind == 1:
+        return rng.integers(0, 2000, (D, D)) * (rng.random((D, D)) < 0.3)
+    if kind == 2:
+        return (rng.pareto(1.0, (D, D)) * 50).astype(np.int64)
+    T = rng.integers(0, 20, (D, D))  # hot receivers: a few columns carry most
+    T[:, rng.integers(D, size=2)] += rng.integers(0, 10_000, (D, 1))
+    return T
+
+
+def cases(n_per_topo=12, seed=0):
+    rng = np.random.default_rng(seed)
+    for P, G, N in VIRTUAL:
+        for k in range(n_per_topo):
+            yield topo_of(P, G, N), random_traffic(rng, P * G, k % 4)
+
+
+# -- the reference scheduler: the original per-pair loop, kept to pin the vectorized one's exact output ------
+
+def reference_schedule(T, topo):
+    T = np.asarray(T, dtype=np.int64)
+    G, N = topo.gpus_per_node, topo.rails_per_node
+    gpr, P = G // N, T.shape[0] // G
+    cols = [[] for _ in range(6)]
+
+    def emit(a, b, i, j, r, units):
+        s, d = a * G + i, b * G + j
+        f = s if i // gpr == r else a * G + r * gpr + i % gpr
+        g = d if j // gpr == r else b * G + r * gpr + j % gpr
+        for c, v in zip(cols, (s, d, r, f, g, units)):
+            c.append(v)
+
+    for a in range(P):
+        for b in range(P):
+            blk = T[a * G:(a + 1) * G, b * G:(b + 1) * G]
+            i, j = np.nonzero(blk)
+            if a == b:
+                for ii, jj in zip(i, j):
+                    for c, v in zip(cols, (a * G + ii, b * G + jj, -1, b * G + jj, b * G + jj, blk[ii, jj])):
+                        c.append(v)
+                continue
+            if not i.size:
+                continue
+            u = blk[i, j]
+            nat = j // gpr
+            nat_load = np.bincount(nat, weights=u, minlength=N)
+            base, rem = divmod(int(u.sum()), N)
+            cap = np.full(N, base)
+            cap[np.lexsort(((np.arange(N) - a - b) % N, -nat_load))[:rem]] += 1
+            cap = cap.tolist()
+            spill = []
+            for k in np.lexsort((j, i, -u)):
+                take = min(int(u[k]), cap[nat[k]])
+                if take:
+                    cap[nat[k]] -= take
+                    emit(a, b, int(i[k]), int(j[k]), int(nat[k]), take)
+                if u[k] > take:
+                    spill.append((int(u[k]) - take, int(i[k]), int(j[k])))
+            for left, ii, jj in sorted(spill, key=lambda x: (-x[0], x[1], x[2])):
+                while left:
+                    rr = max(range(N), key=lambda r: (cap[r], -r))
+                    take = min(left, cap[rr])
+                    cap[rr] -= take
+                    left -= take
+                    emit(a, b, ii, jj, rr, take)
+    from megatron_rails.rails.schedule import RailSchedule
+
+    return RailSchedule.from_chunks(topo, T, *cols)
+
+
+FIELDS = ("src_K", "dst_K", "rail_K", "fwd_K", "land_K", "units_K", "off_K")
+
+
+def test_vectorized_schedule_matches_reference():
+    for topo, T in cases(n_per_topo=8, seed=1):
+        got, ref = rails_schedule(T, topo), reference_schedule(T, topo)
+        for f in FIELDS:
+            assert np.array_equal(getattr(got, f), getattr(ref, f)), (topo.name, f)
+
+
+def test_schedule_conservation_by_independent_recount():
+    for topo, T in cases():
+        sch = rails_schedule(T, topo)
+        G, gpr = topo.gpus_per_node, topo.gpus_per_rail
+        got, pieces = {}, {}
+        for s, d, r, f, g, u, o in zip(*(getattr(sch, k).tolist() for k in FIELDS)):
+            assert u > 0
+            got[(s, d)] = got.get((s, d), 0) + u
+            pieces.setdefault((s, d), []).append((o, u))
+            if s // G == d // G:
+                assert r == -1 and f == d and g == d
+            else:
+                assert 0 <= r < topo.rails_per_node
+                assert f // G == s // G and (f % G) // gpr == r and g // G == d // G and (g % G) // gpr == r
+                assert (f == s) == ((s % G) // gpr == r) and (g == d) == ((d % G) // gpr == r)
+        want = {(int(s), int(d)): int(T[s, d]) for s, d in zip(*np.nonzero(T))}
+        assert got == want, topo.name
+        for (s, d), ps in pieces.items():  # offsets tile [0, T[s, d]) without gaps or overlaps
+            ps.sort()
+            assert ps[0][0] == 0 and all(o2 == o1 + u1 for (o1, u1), (o2, _) in zip(ps, ps[1:]))
+
+
+def test_schedule_balances_every_node_egress_and_ingress_per_rail():
+    for topo, T in cases(seed=2):
+        sch = rails_schedule(T, topo)
+        P, G, N = topo.nodes, topo.gpus_per_node, topo.rails_per_node
+        pair_PPN = np.zeros((P, P, N), dtype=np.int64)
+        for s, d, r, u in zip(sch.src_K, sch.dst_K, sch.rail_K, sch.units_K):
+            if r >= 0:
+                pair_PPN[s // G, d // G, r] += u
+        tot_PP = T.reshape(P, G, P, G).sum(axis=(1, 3))
+        np.fill_diagonal(tot_PP, 0)
+        lo, hi = tot_PP // N, -(-tot_PP // N)
+        # every node pair: each rail carries floor or ceil of the pair's total / N
+        assert np.all(pair_PPN >= lo[..., None]) and np.all(pair_PPN <= hi[..., None])
+        # so every node's egress AND ingress per rail is within the summed rounding bound (receiver uniformity)
+        for axis in (1, 0):
+            per_rail = pair_PPN.sum(axis=axis)
+            assert np.all(per_rail >= lo.sum(axis=axis)[:, None]) and np.all(per_rail <= hi.sum(axis=axis)[:, None])
+            assert np.all(per_rail.max(1) - per_rail.min(1) <= (hi - lo).sum(axis=axis))
+        assert np.array_equal(pair_PPN.sum(axis=1), sch.rail_egress_PN)
+        assert np.array_equal(pair_PPN.sum(axis=0), sch.rail_ingress_PN)
+
+
+def test_schedule_is_deterministic_and_dtype_blind():
+    topo, T = next(cases(seed=3))
+    a, b = rails_schedule(T, topo), rails_schedule(T.astype(np.int32), topo)
+    assert all(np.array_equal(getattr(a, f), getattr(b, f)) for f in FIELDS)
+
+
+def test_nvlink_figures_skip_self_messages():
+    topo = topo_of(2, 2, 2)
+    T = np.zeros((4, 4), dtype=np.int64)
+    T[0, 0], T[0, 1] = 7, 5
+    sch = rails_schedule(T, topo)
+    assert sch.nvlink_out_D().tolist() == [5, 0, 0, 0] and sch.nvlink_in_D().tolist() == [0, 5, 0, 0]
+
+
+def test_direct_and_ecmp_schedules_are_valid():
+    for topo, T in cases(n_per_topo=6, seed=4):
+        G = topo.gpus_per_node
+        d_sch, e_sch = direct_schedule(T, topo), ecmp_schedule(T, topo)
+        for sch in (d_sch, e_sch):
+            sch.check()
+            assert sch.units_K.size == np.count_nonzero(T)  # whole messages
+        inter = d_sch.rail_K >= 0
+        assert np.array_equal(d_sch.rail_K[inter], topo.rail_of(d_sch.dst_K[inter]))
+        assert np.array_equal(d_sch.land_K, d_sch.dst_K)  # no receiver-side forwarding
+        inter = e_sch.rail_K >= 0
+        want = ecmp_rail(e_sch.src_K[inter], e_sch.dst_K[inter], T.shape[0], topo.rails_per_node)
+        assert np.array_equal(e_sch.rail_K[inter], want)
+        assert np.array_equal(e_sch.src_K // G == e_sch.dst_K // G, ~(e_sch.rail_K >= 0))
+    rails = ecmp_rail(np.repeat(np.arange(64), 64), np.tile(np.arange(64), 64), 64, 8)
+    assert np.bincount(rails, minlength=8).min() > 400  # the hash spreads (s, d) over every rail
+
+
+# -- the flow model against hand-computed cases ----------------------------------------------------------------
+
+HAND = dict(nic_gbps=100.0, nvlink_gbps=400.0, latency_us=1.0)  # 1e6 B: 80 us on a NIC, 20 us on NVLink
+
+
+def sim_bytes(T):
+    res = {r.scheme: r for r in simulate(np.asarray(T, dtype=np.int64), topo_of(2, 2, 2, **HAND))}
+    assert list(res) == list(SCHEMES)
+    return res
+
+
+def test_one_inter_node_message_by_hand():
+    T = np.zeros((4, 4), dtype=np.int64)
+    T[0, 3] = 10**6  # GPU 0 (node 0, rail 0) -> GPU 3 (node 1, rail 1)
+    r = sim_bytes(T)
+    # direct: 0 -NVLink-> 1 -rail 1-> 3: NIC 80 us + 2 hops; phased: (20 + 1) + (80 + 1)
+    assert r["direct"].completion_us == pytest.approx(82.0) and r["direct"].phased_us == pytest.approx(102.0)
+    # ecmp: rail 1 is direct's path; rail 0 is 0 -rail 0-> 2 -NVLink-> 3: 80 + 2 hops either way
+    assert r["ecmp"].completion_us == pytest.approx(82.0)
+    # rails: half on rail 1 (0 -> 1 -> 3), half on rail 0 (0 -> 2 -> 3): NIC 40 us + 2 hops;
+    # phased (10 + 1) + (40 + 1) + (10 + 1)
+    assert r["rails"].completion_us == pytest.approx(42.0) and r["rails"].phased_us == pytest.approx(63.0)
+    # bound: node 0's 1e6 B over its 2 NICs = 40 us (> GPU 0's 1e6 B over NVLink + NIC = 16 us), + 1 latency
+    for x in r.values():
+        assert x.lower_bound_us == pytest.approx(41.0) and x.lb_term.startswith("nic_")
+    # busbw (nccl-tests): S = 1e6 / 4 ranks, algbw = S / t, busbw = algbw * 3 / 4
+    assert r["rails"].busbw_GBps == pytest.approx(250_000 / 42e-6 / 1e9 * 0.75)
+    assert r["rails"].busbw_gbps == pytest.approx(8 * r["rails"].busbw_GBps)
+
+
+def test_hot_receiver_by_hand():
+    T = np.zeros((4, 4), dtype=np.int64)
+    T[0, 3] = T[1, 3] = 10**6  # both GPUs of node 0 -> GPU 3
+    r = sim_bytes(T)
+    # direct: both on rail 1 (2e6 B: 160 us), GPU 0 forwards through GPU 1
+    assert r["direct"].completion_us == pytest.approx(162.0) and r["direct"].phased_us == pytest.approx(182.0)
+    assert r["direct"].bottleneck == "nic_out[0,1]"
+    # rails: 0 -> 3 keeps rail 1 (via GPU 1); 1 -> 3 sprays onto rail 0: 1 -> 0 -rail 0-> 2 -> 3 (3 hops)
+    assert r["rails"].completion_us == pytest.approx(83.0) and r["rails"].hops == 3
+    assert r["rails"].phased_us == pytest.approx(21.0 + 81.0 + 21.0)
+    # bound: 2e6 B over node 0's 2 NICs = 80 us (> GPU 3's 2e6 B over NVLink + NIC = 32 us), + 1
+    assert r["rails"].lower_bound_us == pytest.approx(81.0)
+    assert r["rails"].busbw_GBps == pytest.approx(500_000 / 83e-6 / 1e9 * 0.75)
+
+
+def test_intra_node_and_self_messages_by_hand():
+    T = np.zeros((4, 4), dtype=np.int64)
+    T[0, 1] = 10**6
+    for x in sim_bytes(T).values():
+        assert x.completion_us == pytest.approx(21.0) and x.lower_bound_us == pytest.approx(21.0)
+    T[0, 1], T[2, 2] = 0, 10**6  # a rank's message to itself moves nothing
+    for x in sim_bytes(T).values():
+        assert x.completion_us == 0.0 and x.lower_bound_us == 0.0 and x.hops == 0
+
+
+def test_loads_follow_the_chunks():
+    topo = topo_of(3, 8, 4)
+    T = random_traffic(np.random.default_rng(5), 24, 3)
+    L = resource_loads(rails_schedule(T, topo), bytes_per_unit=3)
+    np.testing.assert_array_equal(L.nic_out_PN, rails_schedule(T, topo).rail_egress_PN * 3)
+    inter_bytes = 3 * sum(int(T[s, d]) for s in range(24) for d in range(24) if s // 8 != d // 8)
+    assert L.nic_out_PN.sum() == L.nic_in_PN.sum() == inter_bytes
+    assert L.nvl_out_D.sum() == L.nvl_in_D.sum()
+
+
+@pytest.mark.parametrize("nvlink", [3600.0, 400.0, 50.0])  # NVLink fast, equal-ish to and slower than a NIC
+def test_lower_bound_never_exceeds_any_scheme(nvlink):
+    for topo, T in cases(n_per_topo=6, seed=6):
+        topo = Topology(name="x", gpus_per_node=topo.gpus_per_node, rails_per_node=topo.rails_per_node,
+                        nodes=topo.nodes, nic_gbps=400.0, nvlink_gbps=nvlink, latency_us=2.0)
+        res = simulate(T, topo, bytes_per_unit=4096)
+        lb = lower_bound_us(T * 4096, topo)[0]
+        for r in res:
+            assert r.lower_bound_us == pytest.approx(lb)
+            assert lb <= r.completion_us * (1 + 1e-12) and r.completion_us <= r.phased_us * (1 + 1e-12)
+
+
+@pytest.mark.parametrize("topology", ["dgx-h100", "dgx-a100"])
+def test_rails_within_3_percent_of_the_bound_on_skewed_traffic(topology):
+    for nodes in (2, 4):
+        topo = load_topology(topology).with_nodes(nodes)
+        for fam in ("zipf:0.8", "zipf:1.5", "mixtral", "deepseek", "plan:ultraep"):
+            tr = make_traffic(fam, topo.world_size, 8, tokens_per_rank=4096)  # the bench's size
+            res = {r.scheme: r for r in simulate(tr.tokens_DD, topo, tr.bytes_per_token)}
+            assert res["rails"].completion_us <= 1.03 * res["rails"].lower_bound_us, (topology, nodes, fam)
+            assert res["rails"].completion_us < res["direct"].completion_us
+
+
+# -- traffic families -----------------------------------------------------------------------------------------
+
+def test_traffic_families():
+    u = make_traffic("uniform", 16, 8, tokens_per_rank=101)  # 808 rows over 16 ranks: 50 or 51
+    assert u.tokens_DD.sum(axis=1).tolist() == [808] * 16 and u.tokens_DD.sum(axis=0).tolist() == [808] * 16
+    assert u.tokens_DD.max() - u.tokens_DD.min() == 1
+    assert make_traffic("uniform", 16, 8, tokens_per_rank=128).tokens_DD.min() == 64
+    z = make_traffic("zipf:1.2", 16, 8, tokens_per_rank=512, seed=3)
+    assert (z.experts, z.topk, z.hidden, z.policy, z.family) == (256, 8, 4096, "none", "zipf:1.2")
+    assert z.tokens_DD.sum(axis=1).tolist() == [512 * 8] * 16  # every token's k copies leave its rank
+    recv = z.tokens_DD.sum(axis=0)
+    assert recv.max() > 2 * recv.mean()  # skewed receivers
+    assert np.array_equal(z.tokens_DD, make_traffic("zipf:1.2", 16, 8, tokens_per_rank=512, seed=3).tokens_DD)
+    assert not np.array_equal(z.tokens_DD, make_traffic("zipf:1.2", 16, 8, tokens_per_rank=512, seed=4).tokens_DD)
+    assert make_traffic("zipf:1.2", 1024 // 8 * 3, 8, tokens_per_rank=4).experts == 384  # a multiple of D >= 256
+    m = make_traffic("mixtral", 16, 8, tokens_per_rank=256)
+    assert (m.experts, m.topk, m.hidden, m.policy, m.family) == (8, 2, 4096, "fsep", "mixtral:fsep")
+    assert np.array_equal(m.bytes_DD, m.tokens_DD * 4096 * 2)
+    d = make_traffic("deepseek:ultraep", 16, 8, tokens_per_rank=256)
+    assert (d.experts, d.topk, d.hidden, d.policy) == (256, 8, 7168, "ultraep")
+    p = make_traffic("plan:lp:zipf:1.5", 16, 8, tokens_per_rank=256)
+    assert (p.experts, p.skew, p.policy, p.family) == (8, "zipf:1.5", "lp", "plan:lp:zipf:1.5")
+    assert parse_traffic("plan:eplb") == ("plan", "zipf:1.2", "eplb")
+
+
+@pytest.mark.parametrize("text, words", [("zipf", "exponent"), ("zipf:x", "must be a number"), ("plan:", "policy"),
+                                         ("plan:magic", "unknown policy"), ("mixtral:x", "unknown policy"),
+                                         ("gauss", "unknown family"), ("uniform:1", "no parameters"), ("", "expected")])
+def test_bad_traffic_is_a_clear_error(text, words):
+    with pytest.raises(TrafficError, match=words) as e:
+        parse_traffic(text)
+    assert "uniform | zipf:S" in str(e.value)
+
+
+def test_stock_mixtral_beyond_eight_ranks_is_refused():
+    with pytest.raises(PlannerError, match="divisible"):
+        make_traffic("plan:none", 16, 8, tokens_per_rank=64)
+
+
+# -- CLI ------------------------------------------------------------------------------------------------------
+
+KEYS = {"scheme", "completion_us", "lower_bound_us", "busbw_gbps", "busbw_GBps", "phased_us", "ratio_to_lb",
+        "rail_max_over_mean", "rail_node_max_over_mean", "busbw_gain_over_direct", "traffic", "nodes", "topology"}
+
+
+def test_simulate_a2a_json_entry_point():
+    p = subprocess.run([sys.executable, "-m", "megatron_rails.cli", "simulate", "a2a", "--topology", "dgx-h100",
+                        "--nodes", "2", "--traffic", "zipf:1.2", "--tokens-per-rank", "512", "--json"],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    rows = json.loads(p.stdout)
+    assert [r["scheme"] for r in rows] == list(SCHEMES) and all(KEYS <= set(r) for r in rows)
+    assert all(r["lower_bound_us"] <= r["completion_us"] for r in rows)
+
+
+def test_simulate_a2a_table_and_yaml_topology(tmp_path, capsys):
+    f = tmp_path / "mini.yaml"
+    f.write_text("gpus_per_node: 4\nrails_per_node: 2\nnic_gbps: 100\nnvlink_gbps: 800\n")
+    assert cli.main(["simulate", "a2a", "--topology", str(f), "--nodes", "3", "--traffic", "uniform",
+                     "--tokens-per-rank", "96", "--hidden", "1024"]) == 0
+    out = capsys.readouterr().out
+    assert "mini x 3 nodes (12 GPUs)" in out and all(s in out for s in SCHEMES)
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--nodes", "0"], "--nodes must be >= 1"),
+    (["--nodes", "2", "--traffic", "zipf:oops"], "bad traffic 'zipf:oops'"),
+    (["--nodes", "2", "--traffic", "bogus"], "unknown family 'bogus'"),
+    (["--nodes", "2", "--topology", "dgx-z900"], "unknown topology 'dgx-z900'"),
+    (["--nodes", "2", "--traffic", "plan:none"], "divisible"),
+])
+def test_simulate_a2a_errors_are_clear(argv, words, capsys):
+    try:
+        rc = cli.main(["simulate", "a2a", "--tokens-per-rank", "64"] + argv)
+    except SystemExit as e:  # argparse's own errors
+        rc = e.code
+    assert rc != 0 and words in capsys.readouterr().err
+
+
+def test_bench_rails_quick(tmp_path):
+    from megatron_rails.rails.bench import bench_rails
+
+    out = tmp_path / "r.json"
+    res = bench_rails(str(out), quick=True)
+    disk = json.loads(out.read_text())
+    assert disk["summary"] == json.loads(json.dumps(res["summary"]))
+    assert len(disk["rows"]) == 6 and disk["summary"]["target_met"] and disk["summary"]["failing"] == 0
+    row = disk["rows"][1]
+    assert {"lower_bound_us", "rails_over_lb", "busbw_gain_over_direct", "target_met", "schemes"} <= set(row)
+    assert set(row["schemes"]) == set(SCHEMES) and row["busbw_gain_over_direct"] > 0
+    assert (tmp_path / "r.png").stat().st_size > 10_000
+
+
+# -- docs/rails.md: every command in it runs, and its results table is bench/rails.json's ---------------------
+
+DOC = ROOT / "docs" / "rails.md"
+
+
+def doc_commands():
+    text = DOC.read_text()
+    blocks = re.findall(r"```(?:bash|sh|console)\n(.*?)```", text, flags=re.S)
+    return [ln.strip().removeprefix("$ ") for b in blocks for ln in b.splitlines()
+            if ln.strip().removeprefix("$ ").startswith("megatron-rails ")]
+
+
+def _full_bench(cmd):
+    return "bench rails" in cmd and "--quick" not in cmd
+
+
+@pytest.mark.parametrize("cmd", [pytest.param(c, marks=pytest.mark.slow) if _full_bench(c) else c
+                                 for c in doc_commands()])
+def test_doc_command_runs(cmd, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)  # the doc's paths are relative to the repository
+    argv = shlex.split(cmd)[1:]
+    if "--out" in argv:  # write next to the test, never over the committed results
+        committed = ROOT / argv[argv.index("--out") + 1]
+        argv[argv.index("--out") + 1] = str(tmp_path / "out.json")
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    if "--json" in argv:
+        assert all(KEYS <= set(r) for r in json.loads(out))
+    if _full_bench(cmd):  # the full grid reproduces the committed JSON (everything but timings)
+        new, old = (json.loads(p.read_text()) for p in (tmp_path / "out.json", committed))
+        strip = [{k: v for k, v in r.items() if k != "seconds"} for r in new["rows"]]
+        assert strip == [{k: v for k, v in r.items() if k != "seconds"} for r in old["rows"]]
+
+
+def test_doc_lists_commands_and_the_committed_results():
+    from megatron_rails.rails.bench import markdown_tables
+
+    cmds = doc_commands()
+    assert any(c.startswith("megatron-rails simulate a2a") for c in cmds)
+    assert "megatron-rails bench rails --out bench/rails.json" in cmds
+    res = json.loads((ROOT / "bench" / "rails.json").read_text())
+    assert res["meta"]["command"] == "megatron-rails bench rails" and res["summary"]["target_met"]
+    assert markdown_tables(res) in DOC.read_text()
+    assert (ROOT / "bench" / "rails.png").stat().st_size > 10_000
+
+
+def test_doc_topology_keys_match_the_dataclass():
+    import dataclasses
+
+    keys = re.findall(r"^\| `(\w+)` \|", DOC.read_text().split("## The RailS schedule")[0], flags=re.M)
+    assert keys == [f.name for f in dataclasses.fields(Topology)]
+    for f in dataclasses.fields(Topology):  # the defaults column too
+        row = next(ln for ln in DOC.read_text().splitlines() if ln.startswith(f"| `{f.name}` |"))
+        default = row.split("|")[3].strip()
+        if f.name == "name":
+            assert default == "the file's stem"
+        elif isinstance(f.default, str):
+            assert default == '""', f.name
+        else:
+            assert float(default) == f.default, f.name
+
+def test_doc_quoted_figures():
+    from megatron_rails.cli_sim import run_a2a
+
+    def rows(*argv):
+        args = cli.build_parser().parse_args(["simulate", "a2a", *argv])
+        return {r["scheme"]: r for r in run_a2a(args)[1]}
+
+    r = rows("--topology", "dgx-h100", "--nodes", "8", "--traffic", "zipf:1.2")
+    assert [round(r[s]["completion_us"]) for s in SCHEMES] == [35462, 11897, 8912]
+    assert round(r["rails"]["lower_bound_us"]) == 8907
+    r = rows("--topology", "dgx-h100", "--nodes", "2", "--traffic", "plan:ultraep", "--tokens-per-rank", "1024")
+    assert (round(r["rails"]["completion_us"], 1), round(r["rails"]["lower_bound_us"], 1)) == (131.2, 127.1)
+    assert round(r["rails"]["ratio_to_lb"], 3) == 1.032 and r["rails"]["hops"] == 3
+    text = DOC.read_text()
+    assert "35462 µs" in text and "8912 µs" in text and "8907 µs" in text and "131.2 vs 127.1" in text
