@@ -27,7 +27,7 @@ from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 from .comm import all_gather_counts, make_comm
 from .config import PolicyConfig
 from .experts import ExpertStore, ShardedExpertStore
-from .plan import SHARDED, imbalance, stock_load_D
+from .plan import SHARDED, PlanError, imbalance, stock_load_D
 from .planners import make_planner
 
 
@@ -154,13 +154,24 @@ class RailsTokenDispatcher(MoETokenDispatcher):
 
     # -- checks and metrics ---------------------------------------------------------------------
     def _check_plan(self, plan) -> None:
-        digest = torch.tensor([int(plan.digest()[:15], 16)], dtype=torch.int64)
-        lo, hi = digest.clone(), digest.clone()
+        """Debug mode: every rank validates its plan and all-reduces its digest, so a plan that is
+        invalid or differs on any rank raises on every rank (never a hang or a silent mismatch)."""
+        try:
+            plan.validate()
+            invalid = ""
+        except PlanError as err:
+            invalid = str(err)
+        digest = int(plan.digest()[:15], 16)
+        lo = torch.tensor([digest, -int(bool(invalid))], dtype=torch.int64)  # min of -flag = -max flag
+        hi = torch.tensor([digest], dtype=torch.int64)
         dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=self.ep_group)
         dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=self.ep_group)
-        if lo.item() != hi.item():
+        if lo[1].item() < 0:
+            raise PlanMismatchError(f"EP rank {self.ep_rank}: the plan failed validation on some rank"
+                                    + (f" (here: {invalid})" if invalid else " (valid here)"))
+        if lo[0].item() != hi[0].item():
             raise PlanMismatchError(f"EP rank {self.ep_rank}: plan digests differ across ranks "
-                                    f"(this rank {digest.item():x}, min {lo.item():x}, max {hi.item():x}); "
+                                    f"(this rank {digest:x}, min {lo[0].item():x}, max {hi[0].item():x}); "
                                     f"token counts or planner state diverged")
 
     def _record(self, plan, counts_DE, gather_us, plan_us, x_TH) -> None:

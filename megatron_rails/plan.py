@@ -88,6 +88,12 @@ class Placement:
     def __post_init__(self):
         se = _frozen_i64(self.slot_expert_DS, "slot_expert_DS", 2)
         object.__setattr__(self, "slot_expert_DS", se)
+        self.validate()
+
+    def validate(self) -> "Placement":
+        """Raise PlanError unless the placement satisfies the plan model (run on construction;
+        `trusted` placements skip it until called)."""
+        se = self.slot_expert_DS
         D, S = se.shape
         E, G = int(self.num_experts), int(self.ranks_per_node)
         if D < 1 or E < 1:
@@ -110,6 +116,18 @@ class Placement:
                 raise PlanError(f"rank {d} owner slots {se[d, :L].tolist()} differ from stock EP {want[d].tolist()}")
         elif self.owner_slots != 0:
             raise PlanError("sharded layout has no owner slots")
+        return self
+
+    @classmethod
+    def trusted(cls, slot_expert_DS: np.ndarray, num_experts: int, ranks_per_node: int, layout: str = OWNER,
+                owner_slots: int = 0) -> "Placement":
+        """A placement a planner built to satisfy the model by construction (read-only int64
+        slot table): no checks on the hot path. Tests call `validate()` on every planner's output."""
+        obj = object.__new__(cls)
+        for k, v in (("slot_expert_DS", slot_expert_DS), ("num_experts", num_experts),
+                     ("ranks_per_node", ranks_per_node), ("layout", layout), ("owner_slots", owner_slots)):
+            object.__setattr__(obj, k, v)
+        return obj
 
     # -- constructors ---------------------------------------------------------------------------
     @classmethod
@@ -181,8 +199,8 @@ class Placement:
         return np.arange(self.num_ranks, dtype=np.int64) // self.ranks_per_node
 
     @cached_property
-    def _replicas(self):
-        return _replica_table(self.slot_expert_DS, self.num_experts)  # set by __post_init__
+    def _replicas(self):  # set by validate(); trusted placements build it on first use
+        return _replica_table(self.slot_expert_DS, self.num_experts, check=False)
 
     @property
     def replica_expert_R(self) -> np.ndarray:
@@ -234,13 +252,13 @@ class Placement:
         return h.hexdigest()
 
 
-def _replica_table(se: np.ndarray, num_experts: int):
+def _replica_table(se: np.ndarray, num_experts: int, check: bool = True):
     """Filled slots of se (int64 [D, S]) as replicas sorted by (expert, rank): (expert_R, rank_R,
     slot_R), read-only. PlanError for an entry outside [0, E) other than -1 (empty), then naming
     the lowest rank that hosts an expert twice."""
     D, S = se.shape
     E = num_experts
-    if se.size and (se.min() < -1 or se.max() >= E):
+    if check and se.size and (se.min() < -1 or se.max() >= E):
         d, s = np.argwhere((se < -1) | (se >= E))[0]
         raise PlanError(f"slot ({d}, {s}) holds expert {se[d, s]}, outside [0, {E}) (or -1 for empty)")
     # a stable sort by expert keeps equal experts in slot-table order, i.e. by rank: the replica
@@ -252,8 +270,8 @@ def _replica_table(se: np.ndarray, num_experts: int):
     e, order = e[n_empty:], order[n_empty:]
     d = order // S
     key = e * D + d
-    dup = key[1:] == key[:-1]
-    if np.count_nonzero(dup):
+    dup = key[1:] == key[:-1] if check else None
+    if check and np.count_nonzero(dup):
         r = int((key[1:][dup] % D).min())
         raise PlanError(f"rank {r} hosts an expert twice: slots {se[r].tolist()}")
     s = order - d * S
@@ -319,6 +337,10 @@ class Plan:
         object.__setattr__(self, "counts_DE", counts)
         quota = _frozen_i64(self.quota_R, "quota_R", 1)
         object.__setattr__(self, "quota_R", quota)
+        self._check_quotas()
+
+    def _check_quotas(self) -> None:
+        p, quota = self.placement, self.quota_R
         if quota.size != p.num_replicas:
             raise PlanError(f"quota_R has {quota.size} entries, the placement has {p.num_replicas} replicas")
         if quota.size and quota.min() < 0:
@@ -333,6 +355,27 @@ class Plan:
                 raise PlanError(f"expert {e} has {self.load_E[e]} tokens but no rank hosts it")
             raise PlanError(f"expert {e}: its replicas on ranks {hosts} compute {int(got_E[e])} tokens, "
                             f"but {self.load_E[e]} are routed to it")
+
+    def validate(self) -> "Plan":
+        """Re-check everything: the placement, the counts and the quotas (PlanError otherwise)."""
+        self.placement.validate()
+        check_counts(self.counts_DE, self.placement.num_ranks, self.placement.num_experts)
+        if not (isinstance(self.quota_R, np.ndarray) and self.quota_R.dtype == np.int64 and self.quota_R.ndim == 1):
+            raise PlanError("quota_R must be a 1-D int64 array")
+        self._check_quotas()
+        return self
+
+    @classmethod
+    def trusted(cls, placement: Placement, counts_DE: np.ndarray, quota_R: np.ndarray, policy: str = "",
+                info: dict | None = None) -> "Plan":
+        """A plan a planner built to satisfy the model by construction (counts already checked by
+        the planner, read-only int64 arrays): no checks on the hot path. The route derivation still
+        checks quotas against counts when the route is first used; `validate()` checks the rest."""
+        obj = object.__new__(cls)
+        for k, v in (("placement", placement), ("counts_DE", counts_DE), ("quota_R", quota_R),
+                     ("policy", policy), ("info", dict(info or {}))):
+            object.__setattr__(obj, k, v)
+        return obj
 
     # -- constructors ---------------------------------------------------------------------------
     @classmethod

@@ -54,7 +54,13 @@ def stock_owner(E, D):
 
 def check_plan(plan, cfg, counts):
     """Independent checks of a plan against its inputs."""
+    plan.validate()  # the model's own checks, which planners' trusted fast paths skip
     p = plan.placement
+    # a trusted replica table must equal the one rebuilt from the slot table
+    from megatron_rails.plan import _replica_table
+
+    for a, b in zip(p._replicas, _replica_table(p.slot_expert_DS, p.num_experts)):
+        np.testing.assert_array_equal(a, b)
     D, E = cfg.num_ranks, cfg.num_experts
     se = np.asarray(p.slot_expert_DS)
     assert se.shape[0] == D

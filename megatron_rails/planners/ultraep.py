@@ -29,7 +29,10 @@ class UltraEPPlanner(PlannerBase):
         cfg = self.cfg
         self._blocks = OwnerBlocks(cfg.num_experts, cfg.num_ranks)
         # owner replicas' sort keys (expert * D + rank), to merge exports into replica order
-        self._owner_key = np.arange(cfg.num_experts, dtype=np.int64) * cfg.num_ranks + self._blocks.owner_E
+        expert_E, owner_E = np.arange(cfg.num_experts, dtype=np.int64), self._blocks.owner_E
+        self._owner_key = expert_E * cfg.num_ranks + owner_E
+        slot_E = expert_E - np.asarray(self._blocks.first_D, dtype=np.int64)[owner_E]
+        self._owner_rows = np.stack((expert_E, owner_E, slot_E))  # [3, E]: the owner replicas' table
 
     def plan(self, counts_DE, state=None):
         counts = self.counts(counts_DE)
@@ -65,6 +68,8 @@ class UltraEPPlanner(PlannerBase):
                 how = "chain"
         placement, quota, n = self._build(load_E, got, how)
         info = {"threshold": threshold, "mean_bound": lo, "exports": n, "method": how}
+        if how == "cascade":  # owners + one export per rank, quotas summing to the loads by construction
+            return Plan.trusted(placement, counts, quota, policy=self.name, info=info), None
         return Plan.from_quotas(placement, counts, quota, policy=self.name, info=info), None
 
     def _build(self, load_E: np.ndarray, got, how: str):
@@ -77,16 +82,26 @@ class UltraEPPlanner(PlannerBase):
             return Placement.owner_from_pairs(E, D, cfg.ranks_per_node, cfg.slots, (), ()), load_E, 0
         if how == "cascade":  # at most one piece per rank: it goes to the rank's first redundant slot
             e_D, a_D = (np.asarray(x, dtype=np.int64) for x in got)
-            se = _owner_template(E, D, cfg.slots).copy()
             L = self._blocks.idx_DL.shape[1]
+            se = _owner_template(E, D, cfg.slots).copy()
             se[:, L] = e_D
             se.flags.writeable = False
-            p = Placement(se, E, cfg.ranks_per_node, OWNER, L)
-            # tokens each expert exports (shifted by one: a rank receiving nothing has expert -1)
-            sent_E = np.bincount(e_D + 1, weights=a_D, minlength=E + 1)[1:].astype(np.int64)
-            quota = np.where(p.is_moved_R, a_D[p.replica_rank_R], (load_E - sent_E)[p.replica_expert_R])
-            quota.flags.writeable = False  # owned and frozen: Plan keeps it without a copy
-            return p, quota, p.num_replicas - E
+            p = Placement.trusted(se, E, cfg.ranks_per_node, OWNER, L)
+            # the replica table directly: owners (already in (expert, rank) order) merged with the
+            # exports by their (expert, rank) keys; rows expert, rank, slot, quota
+            d_X = np.flatnonzero(e_D >= 0)
+            e_X = e_D[d_X]
+            X = d_X.size
+            buf = np.empty((4, E + X), dtype=np.int64)
+            buf[:3, :E] = self._owner_rows
+            buf[0, E:], buf[1, E:], buf[2, E:], buf[3, E:] = e_X, d_X, L, a_D[d_X]
+            # owners keep what they did not export
+            buf[3, :E] = load_E - np.bincount(e_X, weights=buf[3, E:], minlength=E).astype(np.int64)
+            table = buf[:, np.argsort(np.concatenate((self._owner_key, e_X * D + d_X)), kind="stable")]
+            table.flags.writeable = False
+            p.__dict__["_replicas"] = (table[0], table[1], table[2])
+            quota = table[3]  # read-only: Plan keeps it without a copy
+            return p, quota, int(X)
         e_I, d_I, a_I = np.array(got, dtype=np.int64).reshape(-1, 3).T
         p = Placement.owner_from_pairs(E, D, cfg.ranks_per_node, cfg.slots, d_I, e_I)
         kept_E = load_E - np.bincount(e_I, weights=a_I, minlength=E).astype(np.int64)
