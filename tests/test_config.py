@@ -15,7 +15,8 @@ def test_shipped_policy_configs_load(path):
 
 
 def test_default_is_fsep():
-    assert PolicyConfig.from_yaml(POLICY_DIR / "default.yaml").policy == "fsep"
+    default = PolicyConfig.from_yaml(POLICY_DIR / "default.yaml")
+    assert (default.policy, default.comm) == ("fsep", "rails")  # the product's shape: FSEP + RailS
 
 
 @pytest.mark.parametrize("text, match", [
