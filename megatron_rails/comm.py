@@ -16,14 +16,33 @@ def all_gather_counts(counts_E: torch.Tensor, group) -> np.ndarray:
     """counts_E: int64 [E] on this rank -> int64 numpy [D, E], identical on every rank of `group`."""
     D = dist.get_world_size(group)
     out = torch.empty((D, counts_E.numel()), dtype=torch.int64, device=counts_E.device)
-    dist.all_gather(list(out.unbind(0)), counts_E.to(torch.int64).contiguous(), group=group)  # gloo has no
-    return out.cpu().numpy()                                                               # all_gather_into_tensor
+    try:  # gloo has no all_gather_into_tensor
+        dist.all_gather(list(out.unbind(0)), counts_E.to(torch.int64).contiguous(), group=group)
+    except RuntimeError as err:
+        raise CommError(f"rank {dist.get_rank()}: all-gather of token counts failed: a peer rank probably died "
+                        f"or timed out ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})") from err
+    return out.cpu().numpy()
+
+
+class CommError(RuntimeError):
+    """A collective failed: a peer rank died, hung past the timeout, or the group is broken."""
 
 
 def _a2a(x: torch.Tensor, out_splits: Sequence[int], in_splits: Sequence[int], group) -> torch.Tensor:
     out = x.new_empty((int(sum(out_splits)),) + tuple(x.shape[1:]))
-    dist.all_to_all_single(out, x.contiguous(), list(map(int, out_splits)), list(map(int, in_splits)), group=group)
+    try:
+        dist.all_to_all_single(out, x.contiguous(), list(map(int, out_splits)), list(map(int, in_splits)),
+                               group=group)
+    except RuntimeError as err:  # DistBackendError / gloo socket errors / timeouts
+        ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+        raise CommError(f"rank {dist.get_rank()}: all-to-all over ranks {_short(ranks)} failed: a peer rank "
+                        f"probably died or timed out ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})"
+                        ) from err
     return out
+
+
+def _short(ranks) -> str:
+    return str(ranks) if len(ranks) <= 8 else f"[{ranks[0]}..{ranks[-1]}] ({len(ranks)})"
 
 
 class _AllToAll(torch.autograd.Function):

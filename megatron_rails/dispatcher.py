@@ -27,6 +27,7 @@ from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 from .comm import all_gather_counts, make_comm
 from .config import PolicyConfig
 from .experts import ExpertStore, ShardedExpertStore
+from .faults import maybe_fault
 from .plan import SHARDED, PlanError, imbalance, stock_load_D
 from .planners import make_planner
 
@@ -98,6 +99,7 @@ class RailsTokenDispatcher(MoETokenDispatcher):
 
     # -- 2. exchange ----------------------------------------------------------------------------
     def token_dispatch(self, hidden_states: torch.Tensor, probs: torch.Tensor):
+        maybe_fault("token_dispatch", self.ep_rank)
         T = self.plan.send_DD
         x = self.comm.exchange(hidden_states, self.send_D, self.recv_D, T)
         pr = self.comm.exchange(probs.unsqueeze(-1), self.send_D, self.recv_D, T).squeeze(-1)
@@ -145,6 +147,7 @@ class RailsTokenDispatcher(MoETokenDispatcher):
         return out
 
     def token_combine(self, hidden_states: torch.Tensor):
+        maybe_fault("token_combine", self.ep_rank)
         return self.comm.exchange(hidden_states, self.recv_D, self.send_D, self.plan.send_DD.T)
 
     def combine_postprocess(self, hidden_states: torch.Tensor):
