@@ -1,4 +1,4 @@
-"""`megatron-rails` command line: plan, bench, demo."""
+"""`megatron-rails` command line: plan, bench, demo, config."""
 from __future__ import annotations
 
 import argparse
@@ -128,6 +128,10 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--planners", action="store_true", help="instead: compare every planner on skewed steps")
     d.add_argument("--json", action="store_true")
     d.set_defaults(func=cmd_demo)
+
+    from .cli_config import register as register_config
+
+    register_config(sub)
     return parser
 
 

@@ -8,6 +8,13 @@ averaged over ranks; expert parameters live on one EP rank each, their gradients
 rank's tokens and are scaled by 1/world.
 
     torchrun --nproc-per-node 4 -m megatron_rails.train_demo --policy ultraep --steps 20 --out run.json
+    torchrun --nproc-per-node 4 -m megatron_rails.train_demo --run-config configs/mini/mini-mixtral.yaml \
+        --out run.json balancer.policy=ultraep training.train_iters=5
+
+With --run-config the shape (model section), micro-batch, steps, optimizer, lr, Adam betas, seed and
+balancer come from a run config (`key.sub=value` overrides after it); the config must describe what this
+loop does: no tensor/pipeline/context parallelism, expert parallel = world size, no weight decay,
+clipping, warm-up or decay schedule.
 """
 from __future__ import annotations
 
@@ -104,11 +111,56 @@ def is_expert_param(name: str) -> bool:
     return ".experts." in name
 
 
-def make_optimizer(model, kind: str = "adam"):
+def make_optimizer(model, kind: str = "adam", lr: float | None = None, betas=(0.9, 0.999)):
     params = [p for p in model.parameters() if p.requires_grad]
     if kind == "sgd":  # stateless: a checkpoint of the weights alone resumes exactly
-        return torch.optim.SGD(params, lr=0.05)
-    return torch.optim.Adam(params, lr=3e-3)
+        return torch.optim.SGD(params, lr=0.05 if lr is None else lr)
+    return torch.optim.Adam(params, lr=3e-3 if lr is None else lr, betas=betas)
+
+
+# what build_model hard-codes; a run config for train_demo must say the same
+DEMO_FIXED = {"normalization": "RMSNorm", "norm_epsilon": 1e-5, "swiglu": True, "disable_bias_linear": True,
+              "position_embedding_type": "rope", "rotary_base": 10000, "untie_embeddings_and_output_weights": True,
+              "init_method_std": 0.05, "hidden_dropout": 0.0, "attention_dropout": 0.0, "num_query_groups": None,
+              "moe_aux_loss_coeff": 0.0, "moe_router_load_balancing_type": "none", "moe_grouped_gemm": False,
+              "moe_z_loss_coeff": None, "transformer_impl": "local"}
+
+
+def from_run_config(path: str, overrides=()):
+    """(RunConfig, DemoShape) for a run config, or ConfigError if this loop cannot run it as written."""
+    from .config import ConfigError
+    from .runconfig import load_run_config
+
+    rc = load_run_config(path, overrides)
+    m, p, t, d = rc.model, rc.parallelism, rc.training, rc.data
+    rules = [  # (key, why, violated)
+        ("parallelism", ("train_demo runs expert parallelism only (tensor, pipeline, context and expert "
+                         "tensor parallel sizes 1)"), (p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
+                               p.context_parallel_size, p.expert_tensor_parallel_size or 1) != (1, 1, 1, 1)),
+        ("parallelism.expert_model_parallel_size", f"must equal the world size {p.world_size}",
+         p.expert_model_parallel_size != p.world_size),
+        ("parallelism.backend", "train_demo runs on CPU: gloo", p.backend != "gloo"),
+        ("training", ("train_demo applies no weight decay, clipping, warm-up or schedule: set weight_decay 0, "
+                      "clip_grad 0, lr_warmup_iters 0, lr_decay_style constant"),
+         (t.weight_decay, t.clip_grad, t.lr_warmup_iters, t.lr_decay_style) != (0, 0, 0, "constant")),
+        ("training", "train_demo trains in fp32: bf16 and fp16 false", t.bf16 or t.fp16),
+        ("data.vocab_size", "required (the synthetic token stream's vocabulary)", not d.vocab_size),
+        ("model.moe_token_dispatcher_type", ("without a balancer use allgather (the stock alltoall dispatcher "
+                                             "needs CUDA)"),
+         rc.balancer is None and m.moe_token_dispatcher_type != "allgather"),
+    ]
+    bad = [f"{key}: {why}" for key, why, violated in rules if violated]
+    bad += [f"model.{k}: train_demo's model has {v!r}, the config says {getattr(m, k)!r}"
+            for k, v in DEMO_FIXED.items() if getattr(m, k) != v]
+    bad += [f"model.{k}: train_demo needs null or {v}" for k, v in (
+        ("moe_ffn_hidden_size", m.ffn_hidden_size), ("max_position_embeddings", m.seq_length))
+        if getattr(m, k) not in (None, v)]
+    if bad:
+        raise ConfigError("\n".join(f"{path}: {b}" for b in bad))
+    shape = DemoShape(layers=m.num_layers, hidden=m.hidden_size, heads=m.num_attention_heads, ffn=m.ffn_hidden_size,
+                      experts=m.num_experts, topk=m.moe_router_topk, vocab=d.vocab_size, seq=m.seq_length,
+                      micro_batch=t.micro_batch_size, skew=m.router_skew)
+    return rc, shape
 
 
 def train_steps(model, shape: DemoShape, steps: int, rank: int, world: int, opt=None, start: int = 0,
@@ -154,21 +206,50 @@ def dispatcher_metrics(model) -> list[list[dict]]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--policy", default="none", help="stock (allgather dispatcher) or a megatron-rails policy")
+    ap.add_argument("--policy", help="stock (allgather dispatcher) or a megatron-rails policy (default none)")
     ap.add_argument("--config", help="policy YAML (overrides --policy)")
-    ap.add_argument("--slots", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--slots", type=int, help="R for --policy (default 2)")
+    ap.add_argument("--steps", type=int, help="optimizer steps (default 20)")
+    ap.add_argument("--run-config", help="a run config YAML (configs/mini/*.yaml); overrides follow as KEY=VALUE")
     ap.add_argument("--out", required=True)
+    ap.add_argument("overrides", nargs="*", help="run-config overrides, e.g. training.train_iters=5")
     args = ap.parse_args(argv)
+    rc, seed, opt = None, 1234, None
+    if args.run_config:
+        mixed = [f for f in ("policy", "config", "slots", "steps") if getattr(args, f) is not None]
+        if mixed:
+            ap.error(f"--{mixed[0]} with --run-config: use overrides instead "
+                     "(balancer.policy=NAME, balancer.slots=R, training.train_iters=N)")
+        rc, shape = from_run_config(args.run_config, args.overrides)
+        steps, seed = rc.training.train_iters, rc.training.seed
+        label = rc.balancer.policy if rc.balancer else "stock"
+    elif args.overrides:
+        ap.error(f"overrides ({args.overrides[0]} ...) need --run-config")
+    else:
+        shape, steps = DemoShape(), 20 if args.steps is None else args.steps
+        label = args.config or args.policy or "none"
     rank, world = init_distributed()
+    if rc is not None and rc.world_size != world:
+        raise SystemExit(f"{args.run_config}: the run config is for {rc.world_size} ranks, this run has {world}")
     torch.set_num_threads(1)
-    shape = DemoShape()
-    if args.policy == "stock" and not args.config:
+    if rc is not None:
+        if rc.balancer is None:
+            model = build_model(shape, world, rc.model.moe_token_dispatcher_type, seed=seed)
+        else:
+            import megatron_rails
+
+            megatron_rails.install(rc.balancer)
+            model = build_model(shape, world, "alltoall", seed=seed)
+            megatron_rails.uninstall()
+        t = rc.training
+        opt = make_optimizer(model, t.optimizer, lr=t.lr, betas=(t.adam_beta1, t.adam_beta2))
+    elif args.policy == "stock" and not args.config:
         model = build_model(shape, world, "allgather")
     else:
         import megatron_rails
 
-        cfg = args.config or {"policy": args.policy, "slots": args.slots, "ranks_per_node": 2}
+        cfg = args.config or {"policy": args.policy or "none", "slots": 2 if args.slots is None else args.slots,
+                              "ranks_per_node": 2}
         megatron_rails.install(cfg)
         model = build_model(shape, world, "alltoall")
         megatron_rails.uninstall()
@@ -177,14 +258,16 @@ def main(argv=None) -> int:
     def progress(step, loss, step_s):
         times.append(step_s)
         if rank == 0:
-            print(f"[{args.config or args.policy}] step {step + 1}/{args.steps} loss {loss:.5f} "
-                  f"({step_s * 1e3:.0f} ms)", flush=True)
+            print(f"[{label}] step {step + 1}/{steps} loss {loss:.5f} ({step_s * 1e3:.0f} ms)", flush=True)
 
-    losses, _ = train_steps(model, shape, args.steps, rank, world, on_step=progress)
+    losses, _ = train_steps(model, shape, steps, rank, world, opt=opt, on_step=progress)
     if rank == 0:
+        out = {"policy": label, "world": world, "losses": losses, "step_s": times,
+               "layers": dispatcher_metrics(model)}
+        if rc is not None:
+            out.update(run_config=args.run_config, overrides=list(args.overrides), seed=seed, steps=steps)
         with open(args.out, "w") as f:
-            json.dump({"policy": args.config or args.policy, "world": world, "losses": losses,
-                       "step_s": times, "layers": dispatcher_metrics(model)}, f)
+            json.dump(out, f)
     dist.barrier()
     dist.destroy_process_group()
     return 0

@@ -1,0 +1,87 @@
+"""A run config as a Megatron-LM run: `python -m megatron_rails.launch pretrain_gpt.py FLAGS` built from it.
+
+    torchrun ... -m megatron_rails.pretrain --run-config configs/mixtral/mixtral-8x7b.yaml \\
+        [KEY=VALUE ...] [-- EXTRA MEGATRON FLAGS]
+    python -m megatron_rails.pretrain --run-config FILE.yaml --print-args    # the command, nothing run
+
+The model/parallelism/training/data sections become pretrain_gpt.py flags (RunConfig.megatron_args);
+flags after `--` are appended (Megatron's parser keeps the last value of a repeated flag). The resolved
+balancer is written as a policy YAML (under $RUN_DIR, else the temp directory) and passed as
+`--rails-config`, so megatron_rails.launch installs it once Megatron has validated its arguments and
+checks it against them; `balancer: null` passes none and Megatron stays stock. The Megatron-LM checkout
+(the directory holding pretrain_gpt.py) comes from --megatron-lm or MEGATRON_LM_DIR.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import shlex
+import sys
+import tempfile
+from pathlib import Path
+
+
+def balancer_file(balancer) -> str:
+    """The resolved PolicyConfig as a YAML file for --rails-config (one file per process)."""
+    import yaml
+
+    where = os.environ.get("RUN_DIR") or None
+    if where:
+        Path(where).mkdir(parents=True, exist_ok=True)
+    fd, path = tempfile.mkstemp(prefix="balancer-", suffix=".yaml", dir=where)
+    with os.fdopen(fd, "w") as f:
+        f.write("# resolved from the run config by megatron_rails.pretrain\n")
+        yaml.safe_dump(dataclasses.asdict(balancer), f, sort_keys=False)
+    return path
+
+
+def launch_argv(rc, script: str, extra=()) -> list[str]:
+    """The arguments of `python -m megatron_rails.launch` for run config `rc`."""
+    rails = ["--rails-config", balancer_file(rc.balancer)] if rc.balancer is not None else []
+    return [script, *rc.megatron_args(), *rails, *extra]
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    extra = argv[argv.index("--") + 1:] if "--" in argv else []
+    argv = argv[:argv.index("--")] if "--" in argv else argv
+    ap = argparse.ArgumentParser(prog="python -m megatron_rails.pretrain", description=__doc__.splitlines()[0])
+    ap.add_argument("--run-config", required=True, help="run config YAML")
+    ap.add_argument("--megatron-lm", default=os.environ.get("MEGATRON_LM_DIR"),
+                    help="Megatron-LM checkout holding pretrain_gpt.py (default: $MEGATRON_LM_DIR)")
+    ap.add_argument("--print-args", action="store_true", help="print the command and exit")
+    ap.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
+    args = ap.parse_args(argv)
+
+    from .config import ConfigError
+    from .runconfig import load_run_config
+
+    def fail(msg: str) -> int:
+        print(f"megatron_rails.pretrain: error: {msg}", file=sys.stderr)
+        return 2
+
+    try:
+        rc = load_run_config(args.run_config, args.overrides)
+    except ConfigError as err:
+        return fail(str(err))
+    if rc.parallelism.backend != "nccl":
+        return fail(f"{args.run_config}: parallelism.backend is {rc.parallelism.backend}; CPU (gloo) run configs "
+                    "run with megatron_rails.train_demo")
+    script = str(Path(args.megatron_lm or "Megatron-LM") / "pretrain_gpt.py")
+    if args.print_args:
+        print(shlex.join(["python", "-m", "megatron_rails.launch", *launch_argv(rc, script, extra)]))
+        return 0
+    world = os.environ.get("WORLD_SIZE")
+    if world is not None and int(world) != rc.world_size:
+        return fail(f"{args.run_config}: the run config is for {rc.world_size} ranks (parallelism.nodes x "
+                    f"topology.gpus_per_node), torchrun started {world}")
+    if not Path(script).is_file():
+        return fail(f"{script} not found: pass --megatron-lm DIR or set MEGATRON_LM_DIR to a Megatron-LM checkout")
+    from .launch import main as launch
+
+    return launch(launch_argv(rc, script, extra))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
