@@ -16,6 +16,7 @@ rank, Q pairs received, H hidden size.
 from __future__ import annotations
 
 import time
+import warnings
 from collections import deque
 from typing import Optional
 
@@ -28,11 +29,13 @@ from .comm import all_gather_counts, make_comm
 from .config import PolicyConfig
 from .experts import ExpertStore, ShardedExpertStore
 from .faults import maybe_fault
+from .megatron import metrics as rails_metrics
 from .plan import SHARDED, PlanError, imbalance, stock_load_D
 from .planners import make_planner
 
 
 METRICS_KEPT = 10_000  # per-layer metric records a dispatcher keeps (one per microbatch step)
+BALANCE_WARN = 0.05  # a balancing policy above 1 + this max/mean tokens per rank is reported
 
 
 class PlanMismatchError(RuntimeError):
@@ -56,11 +59,16 @@ class RailsTokenDispatcher(MoETokenDispatcher):
         self.state = self.planner.initial_state()
         self.comm = make_comm(self.pcfg, self.ep_group)
         self.store: Optional[ExpertStore] = None
+        self._layer = None  # weak reference to the MoELayer (attach_experts), for Megatron's metric tracker
         # the latest layer steps only: a run of weeks must not grow this without bound
         self.metrics: deque[dict] = deque(maxlen=METRICS_KEPT)
         self.plan = None
+        self.unbalanced_steps = 0  # steps whose plan stayed above 1 + BALANCE_WARN max/mean
 
-    def attach_experts(self, experts: torch.nn.Module) -> None:
+    def attach_experts(self, experts: torch.nn.Module, layer: Optional[torch.nn.Module] = None) -> None:
+        """Take over the layer's experts (any kind megatron/expert_kinds.py supports); `layer`, the
+        MoELayer, gives the layer number for Megatron's metric tracker (held by weak reference)."""
+        self._layer = rails_metrics.layer_ref(layer)
         if self.sharded:
             self.store = ShardedExpertStore(experts, self.num_experts, self.ep_rank, self.ep_size,
                                             self.comm.exchange)
@@ -183,10 +191,22 @@ class RailsTokenDispatcher(MoETokenDispatcher):
         off_diag = int(send.sum() - np.trace(send))
         expert_bytes = self.store.flat_size * x_TH.element_size() if self.store else 0
         before_D, after_D = stock_load_D(counts_DE, self.ep_size), plan.load_D
+        after = imbalance(after_D)
+        # the slot budget could not balance this step: say so once per layer, count it in the metric
+        limited = plan.policy != "none" and after > 1 + BALANCE_WARN
+        if limited:
+            self.unbalanced_steps += 1
+            if self.unbalanced_steps == 1 and self.ep_rank == 0:
+                warnings.warn(f"megatron-rails: {plan.policy} left max/mean tokens per rank at {after:.3f} "
+                              f"(> {1 + BALANCE_WARN}); the slot budget (slots: {self.pcfg.slots}) cannot absorb "
+                              f"this skew. Counted in the metric 'unbalanced_steps'; raise slots to fix.",
+                              RuntimeWarning, stacklevel=2)
         self.metrics.append({
             "policy": plan.policy,
             "max_over_mean_before": imbalance(before_D),
-            "max_over_mean_after": imbalance(after_D),
+            "max_over_mean_after": after,
+            "unbalanced": limited,
+            "unbalanced_steps": self.unbalanced_steps,
             "tokens_per_rank_before": before_D.tolist(),
             "tokens_per_rank_after": after_D.tolist(),
             "replicas_used": int(plan.weight_moves),
@@ -196,3 +216,4 @@ class RailsTokenDispatcher(MoETokenDispatcher):
             "count_gather_us": gather_us,
             "layout": "sharded" if plan.placement.layout == SHARDED else "owner",
         })
+        rails_metrics.record_step(self._layer() if self._layer else None, self.metrics[-1], x_TH.device)

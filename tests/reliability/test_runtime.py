@@ -1,0 +1,154 @@
+"""Bad data at run time and rank consistency, on spawned gloo ranks with real Megatron-Core MoELayers.
+
+* a plan that differs on one rank (its counts corrupted) or is invalid on one rank raises
+  PlanMismatchError on every rank in debug mode (check_plan), never a hang or a wrong result;
+* NaN / inf router weights: the balanced dispatcher gives what the stock allgather dispatcher gives
+  (NaN where it has NaN), without crashing or hanging;
+* token counts beyond int32 survive the count all-gather and every planner exactly;
+* a skew the slot budget cannot absorb yields the best feasible plan, a warning, and the metric.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from moe_harness import build_moe_layer, moe_config, spawn
+
+E, H, T = 8, 16, 12
+
+
+def _layer(world, policy, **extra):
+    import megatron_rails
+
+    megatron_rails.install({"policy": policy, "slots": 1, "ranks_per_node": 2, "check_plan": True, **extra})
+    try:
+        return build_moe_layer(moe_config(world, "alltoall", experts=E, hidden=H))
+    finally:
+        megatron_rails.uninstall()
+
+
+def _consistency_worker(rank, world, policy):
+    from megatron_rails import dispatcher as disp_mod
+    from megatron_rails.dispatcher import PlanMismatchError
+    from megatron_rails.plan import Plan
+
+    torch.manual_seed(0)
+    layer = _layer(world, policy)
+    x = torch.randn(T, 1, H)
+    layer(x)  # a healthy step first
+    disp = layer.token_dispatcher
+    real_gather, real_plan = disp_mod.all_gather_counts, disp.planner.plan
+
+    def corrupt_counts(counts_E, group):
+        counts = real_gather(counts_E, group).copy()
+        counts[0, 0] += 1  # this rank alone believes rank 0 sends one more token to expert 0
+        return counts
+
+    def invalid_plan(counts_DE, state=None):
+        plan, state = real_plan(counts_DE, state)
+        bad = plan.quota_R.copy()
+        bad[0] += 1  # quotas no longer add up to expert 0's tokens
+        return Plan.trusted(plan.placement, plan.counts_DE, bad, plan.policy), state
+
+    for what in ("counts", "plan"):
+        if rank == world - 1:
+            if what == "counts":
+                disp_mod.all_gather_counts = corrupt_counts
+            else:
+                disp.planner.plan = invalid_plan
+        try:
+            with pytest.raises(PlanMismatchError, match="digests differ" if what == "counts" else "validation"):
+                layer(x)
+        finally:
+            disp_mod.all_gather_counts, disp.planner.plan = real_gather, real_plan
+    out, _ = layer(x)  # the group is still usable afterwards
+    assert torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("policy", ["ultraep", "fsep"])
+def test_corrupted_rank_is_detected_on_every_rank(policy):
+    spawn(_consistency_worker, 4, policy)
+
+
+def _nan_worker(rank, world):
+    for policy in ("ultraep", "fsep", "lp"):
+        torch.manual_seed(1234)
+        stock = build_moe_layer(moe_config(world, "allgather", experts=E, hidden=H))
+        rails = _layer(world, policy)
+        rails.load_state_dict(stock.state_dict())
+        for poison in (float("nan"), float("inf")):
+            for layer in (stock, rails):
+                with torch.no_grad():
+                    layer.router.weight[3, 0] = poison
+            x = torch.randn(T, 1, H, generator=torch.Generator().manual_seed(rank))
+            ref, _ = stock(x)
+            got, _ = rails(x)
+            torch.testing.assert_close(got, ref, equal_nan=True, msg=lambda m: f"{policy}, router {poison}: {m}")
+            with torch.no_grad():
+                for layer in (stock, rails):
+                    layer.router.weight.copy_(stock.router.weight.nan_to_num(0.0, 0.0, 0.0))
+
+
+def test_nan_and_inf_router_match_stock():
+    spawn(_nan_worker, 2)
+
+
+def _int32_worker(rank, world):
+    import torch.distributed as dist
+
+    from megatron_rails.comm import all_gather_counts
+
+    big = torch.tensor([2**31 + 7 * rank, 3 * 2**32, 0, 5], dtype=torch.int64)
+    got = all_gather_counts(big, dist.group.WORLD)
+    want = np.array([[2**31 + 7 * r, 3 * 2**32, 0, 5] for r in range(world)], dtype=np.int64)
+    np.testing.assert_array_equal(got, want)
+
+
+def test_counts_beyond_int32_survive_the_gather():
+    spawn(_int32_worker, 2, megatron=False)
+
+
+@pytest.mark.parametrize("policy", ["none", "eplb", "ultraep", "lp", "fsep"])
+def test_counts_beyond_int32_plan_exactly(policy):
+    from megatron_rails.planners import PlannerConfig, make_planner
+
+    rng = np.random.default_rng(5)
+    counts = rng.integers(2**31, 2**33, size=(8, 16), dtype=np.int64)
+    counts[:, 3] *= 6  # a hot expert, total tokens ~ 2**37
+    plan, _ = make_planner(policy, PlannerConfig(8, 16, 4, 2)).plan(counts)
+    plan.validate()
+    ptr, rep, tok = plan.route
+    src = np.repeat(np.arange(8), np.diff(ptr))
+    got = np.zeros_like(counts)
+    np.add.at(got, (src, plan.placement.replica_expert_R[rep]), tok)  # independent recount of the route
+    np.testing.assert_array_equal(got, counts)
+    assert plan.load_D.sum() == counts.sum()
+
+
+def _unbalanceable_worker(rank, world):
+    import warnings
+
+    layer = _layer(world, "ultraep", slots=1)
+    with torch.no_grad():  # every token to expert 0: one slot per rank cannot spread it evenly...
+        layer.router.weight.zero_()
+        layer.router.weight[0] = 1.0
+    x = torch.ones(T, 1, H)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out, _ = layer(x)
+        layer(x)
+    m = layer.token_dispatcher.metrics[-1]
+    # ... yet it spreads it over every rank as well as integers allow (the best feasible plan)
+    n = T * world * 2  # top-2: the second choice goes to expert 1 (ties broken by index)
+    assert m["max_over_mean_after"] < m["max_over_mean_before"]
+    if m["max_over_mean_after"] > 1.05:
+        assert m["unbalanced"] and m["unbalanced_steps"] == 2
+        if rank == 0:
+            assert any("cannot absorb" in str(w.message) for w in caught), [str(w.message) for w in caught]
+    assert sum(m["tokens_per_rank_after"]) == n
+    assert torch.isfinite(out).all()
+
+
+def test_unbalanceable_skew_reports_best_plan_and_warns():
+    spawn(_unbalanceable_worker, 4)
