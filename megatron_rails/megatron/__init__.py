@@ -11,6 +11,7 @@ from pathlib import Path
 
 from ..config import PolicyConfig
 from . import cpu_shims
+from .args import add_arguments, chain_extra_args, install_from_args  # noqa: F401  (Megatron-LM flags)
 
 _saved: dict = {}
 

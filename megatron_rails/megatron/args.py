@@ -1,0 +1,138 @@
+"""Megatron-LM command-line flags for megatron-rails.
+
+    parser = add_arguments(parser)          # Megatron's extra_args_provider convention
+    ...                                     # Megatron parses and validates its args
+    install_from_args(args)                 # before the model is built
+
+| flag                      | PolicyConfig key | default (None = not given) |
+|---------------------------|------------------|----------------------------|
+| `--moe-balancer P`        | policy           | the YAML's, else stock Megatron (nothing installed) |
+| `--moe-balancer-slots R`  | slots            | the YAML's, else PolicyConfig's |
+| `--moe-rails-comm C`      | comm             | the YAML's, else PolicyConfig's |
+| `--rails-config F.yaml`   | (whole file)     | none |
+
+Precedence: PolicyConfig defaults < `--rails-config` YAML < the flags above.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from pathlib import Path
+
+from ..config import COMMS, ConfigError, PolicyConfig
+from ..planners import POLICIES
+
+GROUP_TITLE = "megatron-rails"
+# dest -> (flag, PolicyConfig key); the key is None for --rails-config (the whole file)
+FLAGS = {
+    "moe_balancer": ("--moe-balancer", "policy"),
+    "moe_balancer_slots": ("--moe-balancer-slots", "slots"),
+    "moe_rails_comm": ("--moe-rails-comm", "comm"),
+    "rails_config": ("--rails-config", None),
+}
+DISPATCHER_FLAG = "--moe-token-dispatcher-type alltoall"
+
+_last_logged: PolicyConfig | None = None
+
+
+def _slots(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {value}")
+    return value
+
+
+def _yaml_file(text: str) -> str:
+    if not Path(text).is_file():
+        raise argparse.ArgumentTypeError(f"policy config file not found: {text}")
+    return text
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the "megatron-rails" argument group to `parser` and return it. Adding twice is a no-op
+    (the patched pretrain_gpt.py run through the launcher chains it twice)."""
+    if "--moe-balancer" in parser._option_string_actions:
+        return parser
+    group = parser.add_argument_group(
+        GROUP_TITLE, "skew-aware expert parallelism (needs --moe-token-dispatcher-type alltoall); "
+        "precedence: built-in defaults < --rails-config < the other flags")
+    group.add_argument("--moe-balancer", choices=POLICIES, default=None, metavar="{" + ",".join(POLICIES) + "}",
+                       help="expert balancing policy; not given (and no --rails-config): stock Megatron")
+    group.add_argument("--moe-balancer-slots", type=_slots, default=None, metavar="R",
+                       help="redundant expert slots per rank (policy key `slots`)")
+    group.add_argument("--moe-rails-comm", choices=COMMS, default=None,
+                       help="token all-to-all backend (policy key `comm`)")
+    group.add_argument("--rails-config", type=_yaml_file, default=None, metavar="FILE.yaml",
+                       help="policy YAML (configs/policies/*.yaml); the flags above override its keys")
+    return parser
+
+
+def chain_extra_args(provider=None):
+    """An extra_args_provider applying Megatron's own `provider` (if any), then add_arguments."""
+    def extra_args_provider(parser):
+        if provider is not None:
+            parser = provider(parser)
+        return add_arguments(parser)
+
+    return extra_args_provider
+
+
+def policy_from_args(args) -> PolicyConfig | None:
+    """The PolicyConfig the flags on `args` ask for (YAML first, then flag overrides), or None when
+    neither --moe-balancer nor --rails-config is given. Missing attributes count as not given."""
+    given = {dest: getattr(args, dest, None) for dest in FLAGS}
+    if given["moe_balancer"] is None and given["rails_config"] is None:
+        stray = [FLAGS[d][0] for d in ("moe_balancer_slots", "moe_rails_comm") if given[d] is not None]
+        if stray:
+            raise ConfigError(f"{' and '.join(stray)} given without --moe-balancer or --rails-config: "
+                              "name a policy with one of them")
+        return None
+    if given["rails_config"] is not None:
+        try:
+            cfg = PolicyConfig.from_yaml(given["rails_config"])
+        except ConfigError as err:
+            raise ConfigError(f"--rails-config: {err}") from None
+    else:
+        cfg = PolicyConfig(policy=given["moe_balancer"])
+    for dest, (flag, key) in FLAGS.items():
+        if key is None or given[dest] is None:
+            continue
+        try:
+            cfg = dataclasses.replace(cfg, **{key: given[dest]})
+        except ConfigError as err:
+            raise ConfigError(f"{flag} {given[dest]!r}: {err}") from None
+    return cfg
+
+
+def check_megatron_args(args, cfg: PolicyConfig) -> None:
+    """The Megatron-LM settings the balancer needs (checked only where `args` carries them).
+    The expert-parallel size is not read here: the dispatcher takes it from its process group."""
+    dispatcher = getattr(args, "moe_token_dispatcher_type", "alltoall")
+    if dispatcher != "alltoall":
+        raise ConfigError(f"--moe-balancer {cfg.policy} replaces Megatron-Core's alltoall token dispatcher: "
+                          f"pass {DISPATCHER_FLAG} (got --moe-token-dispatcher-type {dispatcher})")
+    if hasattr(args, "num_experts") and args.num_experts is None:
+        raise ConfigError(f"--moe-balancer {cfg.policy} needs an MoE model: pass --num-experts")
+
+
+def install_from_args(args, *, quiet: bool = False) -> PolicyConfig | None:
+    """Build the PolicyConfig from parsed Megatron args, check it against them and install the
+    dispatcher (megatron_rails.install). Returns None, installing nothing, when neither
+    --moe-balancer nor --rails-config was given: Megatron stays stock."""
+    cfg = policy_from_args(args)
+    if cfg is None:
+        return None
+    check_megatron_args(args, cfg)
+    from . import install
+
+    install(cfg)
+    global _last_logged
+    if not quiet and cfg != _last_logged and int(os.environ.get("RANK", "0")) == 0:
+        print(f"megatron-rails: installed policy={cfg.policy} slots={cfg.slots} comm={cfg.comm}"
+              + (f" (from {args.rails_config})" if getattr(args, "rails_config", None) else ""), flush=True)
+    _last_logged = cfg
+    return cfg

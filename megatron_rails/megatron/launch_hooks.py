@@ -1,0 +1,145 @@
+"""Zero-fork hooks into Megatron-LM's training entry points (for `python -m megatron_rails.launch`).
+
+Megatron-LM's pretrain_gpt.py has no plugin hook. Where its arguments are parsed (read from the
+Megatron-LM source, 2026-08; all names are module attributes under `megatron.training`):
+
+| Megatron-LM          | pretrain_gpt.py calls                                     | parser built by | args final when this returns |
+|----------------------|-----------------------------------------------------------|-----------------|------------------------------|
+| core_v0.15 .. v0.17  | `pretrain(..., extra_args_provider=)`                     | `initialize.parse_args` (from-import of `arguments.parse_args`), called by `initialize.initialize_megatron` | `training.initialize_megatron` (the name `pretrain` looks up) |
+| core_v0.18 .. main   | `arguments.parse_and_validate_args(extra_args_provider=)` | `arguments.parse_args` | `arguments.parse_and_validate_args` |
+| both                 | `inprocess_restart.maybe_wrap_for_inprocess_restart` first calls `arguments.parse_args(ignore_unknown_args=True)`: this is the call that answers `--help` | | |
+
+For the duration of the run we wrap:
+* every `parse_args` binding (`arguments`, and `initialize` where it has one): our flags are chained
+  into each parser Megatron builds, so they are accepted and listed by `--help`;
+* `parse_and_validate_args` (>= 0.18), else `initialize_megatron` (<= 0.17, in `training`,
+  `initialize` and the package): when it returns, `install_from_args(args)` runs, after Megatron
+  validated its arguments and before any model is built.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import inspect
+import os
+import runpy
+import sys
+from pathlib import Path
+
+from .args import FLAGS, add_arguments, chain_extra_args, install_from_args
+
+CHECKOUT_HINT = "put a Megatron-LM checkout on PYTHONPATH or set MEGATRON_LM_DIR"
+
+
+class LaunchError(RuntimeError):
+    """The launcher cannot run the given script (missing file, no Megatron-LM, unknown version)."""
+
+
+def import_megatron_training():
+    """The `megatron.training` modules we hook: (package, arguments, initialize, training).
+    MEGATRON_LM_DIR, when set, is put on sys.path first."""
+    lm_dir = os.environ.get("MEGATRON_LM_DIR")
+    if lm_dir and lm_dir not in sys.path:
+        sys.path.insert(1 if sys.path else 0, lm_dir)
+    try:
+        import megatron.training as package
+        from megatron.training import arguments, initialize, training
+    except ImportError as err:
+        missing = getattr(err, "name", None) or ""
+        if missing.startswith("megatron"):
+            raise LaunchError(f"megatron.training is not importable ({err}): the megatron-core pip package "
+                              f"does not contain it, it comes from a Megatron-LM checkout; {CHECKOUT_HINT}") from err
+        raise LaunchError(f"megatron.training (Megatron-LM) failed to import: {err}; install Megatron-LM's "
+                          "requirements into this environment") from err
+    return package, arguments, initialize, training
+
+
+def _with_our_provider(parse_args):
+    """`parse_args(extra_args_provider=None, ...)` with add_arguments chained after the provider."""
+    sig = inspect.signature(parse_args)
+    if "extra_args_provider" not in sig.parameters:
+        raise LaunchError(f"{parse_args.__module__}.{parse_args.__qualname__}{sig} takes no extra_args_provider: "
+                          "this Megatron-LM version is not supported by the launcher; use the patches in "
+                          "patches/megatron-lm/")
+
+    @functools.wraps(parse_args)
+    def wrapper(*args, **kwargs):
+        bound = sig.bind(*args, **kwargs)
+        bound.arguments["extra_args_provider"] = chain_extra_args(bound.arguments.get("extra_args_provider"))
+        return parse_args(*bound.args, **bound.kwargs)
+
+    return wrapper
+
+
+def _install_after(fn, final_args):
+    """`fn` followed by install_from_args(final_args(result))."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        result = fn(*args, **kwargs)
+        install(final_args(result))
+        return result
+
+    return wrapper
+
+
+def install(args) -> None:
+    """install_from_args on Megatron's final args. `--yaml-cfg` replaces Megatron's namespace with
+    one read from its YAML, without our flags: those are then read from sys.argv."""
+    missing = [dest for dest in FLAGS if not hasattr(args, dest)]
+    if missing:
+        parser = add_arguments(argparse.ArgumentParser(add_help=False, allow_abbrev=False))
+        ours, _ = parser.parse_known_args(sys.argv[1:])
+        for dest in missing:
+            setattr(args, dest, getattr(ours, dest))
+    install_from_args(args)
+
+
+@contextlib.contextmanager
+def megatron_lm_hooks():
+    """Within this context, Megatron-LM parses our flags and installs the dispatcher (see above)."""
+    package, arguments, initialize, training = import_megatron_training()
+    saved: list[tuple[object, str, object]] = []
+
+    def patch(module, name, wrap):
+        if hasattr(module, name):
+            saved.append((module, name, getattr(module, name)))
+            setattr(module, name, wrap(getattr(module, name)))
+
+    try:
+        for module in (arguments, initialize):
+            patch(module, "parse_args", _with_our_provider)
+        if hasattr(arguments, "parse_and_validate_args"):        # core_v0.18 and later
+            patch(arguments, "parse_and_validate_args", lambda fn: _install_after(fn, lambda args: args))
+        elif hasattr(training, "initialize_megatron"):          # core_v0.17 and earlier
+            for module in (training, initialize, package):
+                patch(module, "initialize_megatron", lambda fn: _install_after(fn, lambda _: package.get_args()))
+        else:
+            raise LaunchError("megatron.training has neither arguments.parse_and_validate_args nor "
+                              "training.initialize_megatron: unsupported Megatron-LM version; use the patches in "
+                              "patches/megatron-lm/")
+        yield
+    finally:
+        for module, name, original in reversed(saved):
+            setattr(module, name, original)
+
+
+def run_script(script, argv) -> None:
+    """Run Megatron-LM's `script` as `python script argv...` would, with the hooks in place."""
+    path = Path(script)
+    if not path.is_file():
+        raise LaunchError(f"{script}: no such file (give the path to Megatron-LM's pretrain_gpt.py)")
+    saved_argv, saved_path0 = sys.argv[:], sys.path[0] if sys.path else None
+    sys.argv = [str(path), *argv]
+    script_dir = str(path.resolve().parent)
+    if sys.path:
+        sys.path[0] = script_dir
+    else:
+        sys.path.insert(0, script_dir)
+    try:
+        with megatron_lm_hooks():
+            runpy.run_path(str(path), run_name="__main__")
+    finally:
+        sys.argv = saved_argv
+        if saved_path0 is not None and sys.path and sys.path[0] == script_dir:
+            sys.path[0] = saved_path0
