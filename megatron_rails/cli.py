@@ -115,10 +115,11 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--quick", action="store_true", help="a small grid for smoke runs")
     b.set_defaults(func=cmd_bench)
 
-    s = sub.add_parser("simulate", help="simulators: all-to-all on a rail topology (a2a)")
+    s = sub.add_parser("simulate", help="simulators: all-to-all on a rail topology (a2a), iteration time (run)")
     from . import cli_sim
 
     cli_sim.register(s.add_subparsers(dest="what", required=True))
+    cli_sim.register_trace(sub)
 
     d = sub.add_parser("demo", help="train a tiny Mixtral-shaped model on 4 CPU ranks: none vs the configured policy")
     d.add_argument("--config", help="policy YAML (default: configs/policies/default.yaml)")

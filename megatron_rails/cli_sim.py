@@ -1,6 +1,7 @@
 """`megatron-rails simulate a2a`: all-to-all completion of direct, ecmp and RailS on a rail topology.
 
-`register(subparsers)` adds the `a2a` command to the `simulate` group's sub-parsers (cli.py).
+`register(subparsers)` adds the `a2a` command (and `run`, the iteration-time simulator of sim/cli.py)
+to the `simulate` group's sub-parsers (cli.py); `register_trace` adds the top-level `trace` command.
 """
 from __future__ import annotations
 
@@ -38,6 +39,17 @@ def register(subparsers) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print a JSON list, one object per scheme")
     p.set_defaults(func=cmd_a2a)
+
+    from .sim.cli import register_run
+
+    register_run(subparsers)
+
+
+def register_trace(subparsers) -> None:
+    """The top-level `megatron-rails trace` command (megatron_rails/trace.py)."""
+    from .trace import register
+
+    register(subparsers)
 
 
 def run_a2a(args) -> tuple[dict, list[dict]]:

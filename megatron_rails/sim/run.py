@@ -1,0 +1,233 @@
+"""`simulate run`'s driver: workloads -> planners -> per-layer costs -> iteration time per policy x comm.
+
+Shape legend:  S steps   L layers   D expert-parallel ranks   E experts   P pipeline stages
+
+One simulated step is one training iteration. Its routing is one counts_DE per layer (a synthetic skew
+from workloads.py, or a recorded trace), taken to hold for every microbatch of the iteration; every
+policy plans it with its own per-layer planner state (eplb's history carries across steps).
+
+Pipeline (1F1B): stage k holds layers [k L/P, (k+1) L/P), the last stage also the LM head; a
+microbatch costs a stage the sum of its layers' costs, and an iteration of m microbatches takes
+(m + P - 1) x the slowest stage's microbatch time. The breakdown reports m x each component of that
+stage and the pipeline bubble (P - 1) x its total, so the parts add up to the iteration time.
+Not modeled: data-parallel gradient reduction, the optimizer step, TP/CP/PP communication, kernel
+launch and framework overheads; they would add the same time to every policy and shrink speedups.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .model import CommModel, Setup, SimError, SimOptions, force_balanced_cost, head_ms, layer_cost
+
+COMPONENTS = ("dense_ms", "expert_compute_ms", "token_a2a_ms", "weights_ms", "planner_ms", "pipeline_bubble_ms")
+BASELINE = ("none", "direct")
+IDEAL = "force-balanced"  # the router spreads every layer's tokens evenly; no replicas, no planner
+
+
+# -- workloads ------------------------------------------------------------------------------------------------
+
+def rescale_rows(counts_DE: np.ndarray, row_sum: int) -> np.ndarray:
+    """int64 [D, E]: every non-empty row scaled to sum to `row_sum`, largest remainders rounded up
+    (ties to the lower expert id); routing shares are kept, token volume changes."""
+    c = np.asarray(counts_DE, dtype=np.int64)
+    out = np.zeros_like(c)
+    for d in range(c.shape[0]):
+        s = int(c[d].sum())
+        if not s:
+            continue
+        exact = c[d] * row_sum
+        base = exact // s
+        rem = exact - base * s
+        short = row_sum - int(base.sum())
+        order = np.lexsort((np.arange(c.shape[1]), -rem))
+        base[order[:short]] += 1
+        out[d] = base
+    return out
+
+
+@dataclass
+class Workload:
+    """counts_DE per (step, layer): synthetic (skew) or a trace [S', L', D, E] replayed cyclically
+    (step % S', layer % L'), its rows rescaled to the config's tokens per rank unless raw."""
+
+    setup: Setup
+    skew: str = "zipf:1.2"
+    seed: int = 0
+    trace: np.ndarray | None = None
+    trace_path: str = ""
+    raw: bool = False
+    spec: object = field(default=None, repr=False)
+
+    def __post_init__(self):
+        s = self.setup
+        if self.trace is not None:
+            t = self.trace
+            if t.shape[2] != s.ep or t.shape[3] != s.experts:
+                raise SimError(f"trace {self.trace_path}: counts are [D={t.shape[2]}, E={t.shape[3]}], the config "
+                               f"has expert-parallel size {s.ep} and {s.experts} experts; simulate a config with "
+                               f"parallelism.expert_model_parallel_size={t.shape[2]} and "
+                               f"model.num_experts={t.shape[3]} "
+                               f"(KEY=VALUE overrides after the config)")
+            return
+        from ..workloads import WorkloadError, WorkloadSpec
+
+        try:
+            self.spec = WorkloadSpec(s.ep, s.experts, s.topk, s.tokens_per_rank, self.skew, self.seed, s.layers)
+        except WorkloadError as err:
+            raise SimError(str(err)) from None
+
+    def describe(self) -> str:
+        if self.trace is not None:
+            S, L = self.trace.shape[:2]
+            return f"trace {self.trace_path} ({S} steps x {L} layers{', raw' if self.raw else ', rescaled'})"
+        return f"{self.spec.skew} (seed {self.seed})"
+
+    def counts(self, step: int, layer: int) -> np.ndarray:
+        if self.trace is None:
+            from ..workloads import counts
+
+            return counts(self.spec, step, layer)
+        S, L = self.trace.shape[:2]
+        c = self.trace[step % S, layer % L]
+        return c.copy() if self.raw else rescale_rows(c, self.setup.tokens_per_rank * self.setup.topk)
+
+
+# -- driver ---------------------------------------------------------------------------------------------------
+
+def check_names(policies, comms) -> tuple[list[str], list[str]]:
+    from ..config import COMMS
+    from ..planners import POLICIES
+
+    pols = [p.strip() for p in (policies.split(",") if isinstance(policies, str) else policies) if p.strip()]
+    cms = [c.strip() for c in (comms.split(",") if isinstance(comms, str) else comms) if c.strip()]
+    for p in pols:
+        if p not in POLICIES:
+            raise SimError(f"unknown policy {p!r}; choose from {', '.join(POLICIES)}")
+    for c in cms:
+        if c not in COMMS:
+            raise SimError(f"unknown comm {c!r}; choose from {', '.join(COMMS)}")
+    if not pols or not cms:
+        raise SimError("need at least one policy and one comm")
+    return list(dict.fromkeys(pols)), list(dict.fromkeys(cms))
+
+
+def _planners(setup: Setup, policies):
+    import dataclasses
+
+    from ..planners import PlannerError, make_planner
+
+    out = {}
+    for pol in policies:
+        pc = dataclasses.replace(setup.policy, policy=pol)
+        try:
+            out[pol] = make_planner(pol, pc.planner_config(setup.ep, setup.experts))
+        except PlannerError as err:
+            raise SimError(f"policy {pol!r} cannot serve EP{setup.ep} with {setup.experts} experts and "
+                           f"{setup.policy.slots} slot(s): {err}") from None
+    return out
+
+
+def simulate_run(setup: Setup, opts: SimOptions, policies, comms, steps: int, workload: Workload,
+                 progress=None) -> dict:
+    """{"setup", "options", "workload", "assumptions", "rows", "force_balanced"}: one row per requested
+    (policy, comm) with iteration_ms (mean over steps), its breakdown, speedup over none/direct,
+    fraction of the force-balanced ideal and balance figures; force_balanced: the ideal per comm."""
+    policies, comms = check_names(policies, comms)
+    if steps < 1:
+        raise SimError(f"--steps must be >= 1, got {steps}")
+    run_pols = list(dict.fromkeys([BASELINE[0], *policies]))
+    run_comms = list(dict.fromkeys([BASELINE[1], *comms]))
+    planners = _planners(setup, run_pols)
+    states = {p: [planners[p].initial_state() for _ in range(setup.layers)] for p in run_pols}
+    comm = CommModel(setup.ep_topo, opts.a2a_model)
+    P, L = setup.pp, setup.layers
+    per = L // P
+    plan_us = {p: [] for p in run_pols}
+    plan_us[IDEAL] = [0.0]
+    keys = ("dense_ms", "expert_compute_ms", "token_a2a_ms", "weights_ms")
+    cases = [(p, c) for p in [*run_pols, IDEAL] for c in run_comms]
+    acc = {k: np.zeros((steps, P, len(keys))) for k in cases}  # per step and stage, summed over its layers
+    extra = {k: {"weights_total_ms": 0.0, "weight_bytes": 0.0, "max_over_mean": 0.0} for k in cases}
+    before = 0.0
+    t_start = time.perf_counter()
+
+    def add(case, stage, step, cost):
+        acc[case][step, stage] += [cost[k] for k in keys]
+        for k in extra[case]:
+            extra[case][k] += cost[k]
+
+    for step in range(steps):
+        for layer in range(L):
+            counts_DE = workload.counts(step, layer)
+            stage = layer // per
+            for c in run_comms:
+                add((IDEAL, c), stage, step, force_balanced_cost(setup, opts, counts_DE, comm, c))
+            for pol in run_pols:
+                t0 = time.perf_counter_ns()
+                plan, states[pol][layer] = planners[pol].plan(counts_DE, states[pol][layer])
+                plan_us[pol].append((time.perf_counter_ns() - t0) / 1e3)
+                if pol == "none":
+                    before += plan.max_over_mean
+                for c in run_comms:
+                    add((pol, c), stage, step, layer_cost(setup, opts, plan, comm, c))
+        if progress:
+            progress(step + 1, steps, time.perf_counter() - t_start)
+    head = head_ms(setup, opts)
+    m, n = setup.microbatches, steps * L
+    rows = {}
+    for pol, c in cases:
+        plan_ms = float(np.median(plan_us[pol])) / 1e3 * setup.fwd_passes
+        a = acc[pol, c].copy()                       # [S, P, 4]
+        a[:, -1, 0] += head                          # LM head on the last stage
+        a = np.concatenate([a, np.full((steps, P, 1), plan_ms * per)], axis=2)  # [S, P, 5]
+        stage_tot = a.sum(axis=2)                    # [S, P]
+        k = stage_tot.argmax(axis=1)                 # the slowest stage of every step
+        worst, tot = a[np.arange(steps), k], stage_tot[np.arange(steps), k]
+        iters = (m + P - 1) * tot
+        parts = np.concatenate([m * worst, ((P - 1) * tot)[:, None]], axis=1).mean(axis=0)
+        rows[pol, c] = {
+            "policy": pol, "comm": c, "iteration_ms": float(iters.mean()),
+            "breakdown": dict(zip(COMPONENTS, map(float, parts))),
+            "iteration_ms_steps": iters.tolist(),
+            "layer_ms": float(tot.mean() / per), "planner_us_median": plan_ms / setup.fwd_passes * 1e3,
+            "weights_total_ms_per_layer": extra[pol, c]["weights_total_ms"] / n,
+            "weight_bytes_per_layer": extra[pol, c]["weight_bytes"] / n,
+            "max_over_mean": extra[pol, c]["max_over_mean"] / n, "max_over_mean_stock": before / n,
+        }
+    base = rows[BASELINE]["iteration_ms"]
+    for (pol, c), r in rows.items():
+        r["speedup"] = base / r["iteration_ms"] if r["iteration_ms"] > 0 else 0.0
+        r["of_force_balanced"] = rows[IDEAL, c]["iteration_ms"] / r["iteration_ms"] if r["iteration_ms"] else 0.0
+    return {"setup": setup.describe(), "options": opts.__dict__ | {"steps": steps},
+            "workload": workload.describe(), "assumptions": ASSUMPTIONS | {"overlap": OVERLAP_TEXT[opts.overlap],
+                                                                          "weight_sync": SYNC_TEXT[opts.weight_sync]},
+            "rows": [rows[p, c] for p in policies for c in comms],
+            "force_balanced": [rows[IDEAL, c] for c in comms]}
+
+
+SYNC_TEXT = {
+    "microbatch": "replica / FSEP slot weights fetched and their grads returned every microbatch (our dispatcher)",
+    "iteration": "weights fetched once per iteration and kept for all its microbatches, grads returned once",
+}
+OVERLAP_TEXT = {
+    "none": "nothing overlaps: planner, weight movement, token all-to-all and expert compute run in sequence",
+    "weights": "weight movement hidden behind the same layer's attention/dense compute, up to its duration",
+}
+ASSUMPTIONS = {
+    "expert_flops": "SwiGLU: 3 GEMMs of hidden x ffn per routed token (6HF forward FLOPs), x3 for fwd+bwd, "
+                    "on the EP rank with the largest load",
+    "dense_flops": "QKV + output projection + causal attention core + router, x3 for fwd+bwd, / TP; "
+                   "LM head on the last pipeline stage",
+    "gemm_rate": "topology gpu_tflops x mfu for every GEMM",
+    "all_to_all": "megatron_rails.rails.sim on the EP group's slice of the topology; tokens hidden x 2 bytes; "
+                  "dispatch + combine, forward and backward",
+    "weights": "owner layout: each replica with tokens fetched whole from its owner, grads back (bf16); "
+               "fsep: shard all-gather of every slot with tokens, grad reduce-scatter back",
+    "planner": "median measured planner.plan wall time on this CPU, per layer and microbatch",
+    "microbatches": "one counts matrix per layer and step, shared by the step's microbatches",
+    "pipeline": "1F1B: (microbatches + stages - 1) x the slowest stage's microbatch time",
+    "not_modeled": "DP gradient reduction, optimizer, TP/CP/PP communication, counts all-gather, launch overheads",
+}
