@@ -41,6 +41,16 @@ def _a2a(x: torch.Tensor, out_splits: Sequence[int], in_splits: Sequence[int], g
     return out
 
 
+def group_timeout(group):
+    """The timeout `group` was created with (a timedelta), or None where torch does not expose it.
+    Sub-groups we create inherit it, so they fail exactly when Megatron's own groups would."""
+    try:
+        dev = torch.device("cuda" if dist.get_backend(group) == "nccl" else "cpu")
+        return group._get_backend(dev).options._timeout
+    except Exception:  # private API; a missing attribute only costs the inheritance
+        return None
+
+
 def _short(ranks) -> str:
     return str(ranks) if len(ranks) <= 8 else f"[{ranks[0]}..{ranks[-1]}] ({len(ranks)})"
 

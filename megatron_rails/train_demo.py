@@ -42,16 +42,20 @@ class DemoShape:
     skew: float = 3.0  # router logit bias of the hottest expert; bias_e = skew / rank_e^1.2
 
 
-def init_distributed() -> tuple[int, int]:
+def init_distributed(timeout_s: float = 600.0) -> tuple[int, int]:
+    """gloo process group (every collective, ours included, fails after timeout_s instead of hanging)."""
     if not dist.is_initialized():
-        dist.init_process_group("gloo")
+        from datetime import timedelta
+
+        dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
     from .megatron import cpu_shims
 
     cpu_shims.apply()
     from megatron.core import parallel_state as ps
 
     if not ps.model_parallel_is_initialized():
-        ps.initialize_model_parallel(expert_model_parallel_size=dist.get_world_size())
+        ps.initialize_model_parallel(expert_model_parallel_size=dist.get_world_size(),
+                                     distributed_timeout_minutes=timeout_s / 60)  # Megatron's groups too
     return dist.get_rank(), dist.get_world_size()
 
 
@@ -211,12 +215,16 @@ def main(argv=None) -> int:
     ap.add_argument("--slots", type=int, help="R for --policy (default 2)")
     ap.add_argument("--steps", type=int, help="optimizer steps (default 20)")
     ap.add_argument("--run-config", help="a run config YAML (configs/mini/*.yaml); overrides follow as KEY=VALUE")
+    ap.add_argument("--ranks-per-node", type=int,
+                    help="virtual node size for --policy/--config (default: 2, or the config's)")
+    ap.add_argument("--timeout-s", type=float, default=600.0,
+                    help="process-group timeout: a collective waiting longer on a dead or stuck rank fails")
     ap.add_argument("--out", required=True)
     ap.add_argument("overrides", nargs="*", help="run-config overrides, e.g. training.train_iters=5")
     args = ap.parse_args(argv)
     rc, seed, opt = None, 1234, None
     if args.run_config:
-        mixed = [f for f in ("policy", "config", "slots", "steps") if getattr(args, f) is not None]
+        mixed = [f for f in ("policy", "config", "slots", "steps", "ranks_per_node") if getattr(args, f) is not None]
         if mixed:
             ap.error(f"--{mixed[0]} with --run-config: use overrides instead "
                      "(balancer.policy=NAME, balancer.slots=R, training.train_iters=N)")
@@ -228,7 +236,7 @@ def main(argv=None) -> int:
     else:
         shape, steps = DemoShape(), 20 if args.steps is None else args.steps
         label = args.config or args.policy or "none"
-    rank, world = init_distributed()
+    rank, world = init_distributed(args.timeout_s)
     if rc is not None and rc.world_size != world:
         raise SystemExit(f"{args.run_config}: the run config is for {rc.world_size} ranks, this run has {world}")
     torch.set_num_threads(1)
@@ -250,6 +258,10 @@ def main(argv=None) -> int:
 
         cfg = args.config or {"policy": args.policy or "none", "slots": 2 if args.slots is None else args.slots,
                               "ranks_per_node": 2}
+        if args.ranks_per_node is not None:
+            import dataclasses
+
+            cfg = dataclasses.replace(megatron_rails.megatron._as_config(cfg), ranks_per_node=args.ranks_per_node)
         megatron_rails.install(cfg)
         model = build_model(shape, world, "alltoall")
         megatron_rails.uninstall()

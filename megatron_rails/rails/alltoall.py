@@ -23,18 +23,19 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..comm import all_to_all
+from ..comm import all_to_all, group_timeout
 from .schedule import RailSchedule, rails_schedule
 from .topology import Topology
 
 _GROUPS: dict = {}  # (ep ranks, gpus_per_node, rails_per_node) -> (node groups, rail groups)
 
 
-def _subgroups(ep_ranks: tuple, topo: Topology):
+def _subgroups(ep_group, ep_ranks: tuple, topo: Topology):
     """Process groups for one EP group: one per node and one per rail (each rank joins its own two).
 
     Created once per process with local synchronization, so only the members of a group take part
-    and several EP groups (data-parallel replicas of the EP group) can each build theirs."""
+    and several EP groups (data-parallel replicas of the EP group) can each build theirs; they
+    inherit the EP group's timeout."""
     key = (ep_ranks, topo.gpus_per_node, topo.rails_per_node)
     if key not in _GROUPS:
         me = ep_ranks.index(dist.get_rank())
@@ -42,16 +43,17 @@ def _subgroups(ep_ranks: tuple, topo: Topology):
         node_members = [ep_ranks[n * G:(n + 1) * G] for n in range(D // G)]
         rail_of = topo.rail_of(np.arange(D))
         rail_members = [tuple(ep_ranks[i] for i in np.flatnonzero(rail_of == r)) for r in range(topo.rails_per_node)]
-        node = _new_group(node_members[me // G])
-        rail = _new_group(rail_members[int(rail_of[me])])
+        timeout = group_timeout(ep_group)
+        node = _new_group(node_members[me // G], timeout)
+        rail = _new_group(rail_members[int(rail_of[me])], timeout)
         _GROUPS[key] = (node, rail)
     return _GROUPS[key]
 
 
-def _new_group(ranks: tuple):
+def _new_group(ranks: tuple, timeout):
     if len(ranks) == dist.get_world_size():
         return dist.group.WORLD
-    return dist.new_group(list(ranks), use_local_synchronization=True)
+    return dist.new_group(list(ranks), timeout=timeout, use_local_synchronization=True)
 
 
 class RailsAllToAll:
@@ -69,7 +71,7 @@ class RailsAllToAll:
         self.me = dist.get_rank(group)
         self.topo = topo.for_world(len(self.ep_ranks))
         self.rail = int(self.topo.rail_of(self.me))
-        self.node_group, self.rail_group = _subgroups(self.ep_ranks, self.topo)
+        self.node_group, self.rail_group = _subgroups(group, self.ep_ranks, self.topo)
         self._plans: OrderedDict = OrderedDict()
         self._cache = cache
         self.rail_bytes_sent = np.zeros(self.topo.rails_per_node, dtype=np.int64)
@@ -120,7 +122,6 @@ def build_steps(sch: RailSchedule, me: int) -> dict:
     topo, D = sch.topo, sch.num_ranks
     G = topo.gpus_per_node
     K = sch.units_K.size
-    k = np.arange(K)
     u = sch.units_K
     inter = sch.inter
     hop1 = np.where(inter, sch.fwd_K, sch.dst_K)  # where phase 1 takes a chunk

@@ -1,0 +1,69 @@
+"""Faults: one rank of a 4-rank torchrun training run is killed, hangs, or raises mid all-to-all.
+
+Every other rank must stop with a clear error within the configured timeout, torchrun must report
+the failure with a non-zero exit, and no process of the run may survive it.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+TIMEOUT_S = 20  # the run's process-group timeout (train_demo --timeout-s)
+
+
+def _survivors(marker: str) -> list[str]:
+    out = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if marker in cmd:
+            out.append(f"{pid}: {cmd[:120]}")
+    return out
+
+
+def _run_with_fault(tmp_path, fault: str, policy_args: list[str]):
+    marker = f"faultrun-{uuid.uuid4().hex[:8]}"
+    out = tmp_path / f"{marker}.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+           "-m", "megatron_rails.train_demo", *policy_args, "--steps", "6", "--timeout-s", str(TIMEOUT_S),
+           "--out", str(out)]
+    env = dict(os.environ, MEGATRON_RAILS_FAULT=fault, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
+    t0 = time.monotonic()
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S + 240)
+    elapsed = time.monotonic() - t0
+    time.sleep(1.0)
+    return proc, proc.stdout + proc.stderr, elapsed, _survivors(str(out)), out
+
+
+DEFAULT = ["--config", str(Path(__file__).resolve().parents[2] / "configs" / "policies" / "default.yaml"),
+           "--ranks-per-node", "2"]  # fsep + RailS on 2 virtual nodes of 2 ranks
+
+
+@pytest.mark.parametrize("action,site,policy_args,expect", [
+    ("kill", "token_dispatch", ["--policy", "ultraep"], ["injected fault on EP rank 1: kill", "exitcode  : -9"]),
+    ("raise", "token_combine", DEFAULT, ["InjectedFault", "CommError"]),
+    ("hang", "token_dispatch", DEFAULT, ["injected fault on EP rank 1: hang", "CommError", "timed out"]),
+], ids=["kill-direct", "raise-rails", "hang-rails"])
+def test_rank_fault_stops_the_run(tmp_path, action, site, policy_args, expect):
+    proc, text, elapsed, survivors, out = _run_with_fault(
+        tmp_path, f"rank=1,site={site},call=3,action={action}", policy_args)
+    assert proc.returncode != 0, f"torchrun exited 0 despite a {action}ed rank:\n{text[-3000:]}"
+    for needle in expect:
+        assert needle in text, f"{action}: {needle!r} missing from the run's output:\n{text[-4000:]}"
+    assert "ChildFailedError" in text or "failed" in text.lower(), text[-2000:]
+    assert not out.exists(), "a failed run must not write its result file"
+    assert not survivors, f"processes of the run survived it: {survivors}"
+    # peers notice a dead rank at once (its sockets close); a hung rank costs one timeout
+    limit = TIMEOUT_S + 120 if action == "hang" else 120
+    assert elapsed < limit, f"{action}: the run took {elapsed:.0f} s to fail (limit {limit} s)"
