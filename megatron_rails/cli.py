@@ -121,6 +121,14 @@ def build_parser() -> argparse.ArgumentParser:
     cli_sim.register(s.add_subparsers(dest="what", required=True))
     cli_sim.register_trace(sub)
 
+    k = sub.add_parser("soak", help="long-running reliability soak: planner calls and dispatcher parity steps")
+    k.add_argument("--planner-calls", type=int, default=2000, help="planner calls per policy (drifting workload)")
+    k.add_argument("--steps", type=int, default=200, help="dispatcher steps compared with stock (0: skip)")
+    k.add_argument("--ranks", type=int, default=4)
+    k.add_argument("--out", help="write the result JSON here")
+    k.add_argument("--json", action="store_true")
+    k.set_defaults(func=lambda a: __import__("megatron_rails.soak", fromlist=["run_soak"]).run_soak(
+        a.planner_calls, a.steps, a.ranks, a.out, a.json))
     d = sub.add_parser("demo", help="train a tiny Mixtral-shaped model on 4 CPU ranks: none vs the configured policy")
     d.add_argument("--config", help="policy YAML (default: configs/policies/default.yaml)")
     d.add_argument("--steps", type=int, default=20)

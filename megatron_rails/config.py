@@ -43,6 +43,15 @@ class PolicyConfig:
             if isinstance(v, bool) or not isinstance(v, int) or v < (0 if key in ("slots", "ranks_per_node") else 1):
                 raise ConfigError(f"{key}: expected a {'non-negative' if key in ('slots', 'ranks_per_node') else 'positive'} "
                                   f"integer, got {v!r}")
+        from .planners.lp import PLACEMENTS
+
+        if self.placement not in PLACEMENTS:
+            raise ConfigError(f"placement: must be one of {', '.join(PLACEMENTS)} (the placement lp schedules on), "
+                              f"got {self.placement!r}")
+        if self.slots == 0 and (self.policy in ("eplb", "ultraep")
+                                or (self.policy == "lp" and self.placement != "fsep")):
+            raise ConfigError(f"slots: {self.policy} balances through redundant replica slots and needs slots >= 1 "
+                              f"(0 leaves it stock expert parallelism; use policy none for that)")
         if not isinstance(self.check_plan, bool):
             raise ConfigError(f"check_plan: expected true or false, got {self.check_plan!r}")
 

@@ -1,0 +1,16 @@
+"""A short soak in the suite (the full one is `megatron-rails soak`, results in docs/reliability.md):
+drifting planner calls with every plan validated and its route recounted, and dispatcher steps on
+4 gloo ranks compared with the stock allgather dispatcher every step, every policy and both comms."""
+from megatron_rails.soak import CASES, dispatcher_soak, planner_soak
+
+
+def test_planner_soak_short():
+    res = planner_soak(calls=120, ranks=16, experts=32)
+    assert res["failures"] == [], res["failures"][:3]
+    assert res["worst_max_over_mean"]["ultraep"] <= res["worst_max_over_mean"]["none"]
+
+
+def test_dispatcher_soak_short():
+    res = dispatcher_soak(steps=2 * len(CASES) + 2, world=4)
+    assert res["failures"] == [], res["failures"][:3]
+    assert len(res["rss_mb_end"]) == 4
