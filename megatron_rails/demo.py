@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "policies" / "default.yaml"
+VIRTUAL_NODE = 2  # ranks per virtual node on CPU, so RailS and same-node routing have nodes to work with
 
 
 def _run(policy_args: list[str], label: str, steps: int, ranks: int, out: str, quiet: bool) -> dict:
@@ -98,13 +99,16 @@ def run_demo(config: str | None = None, steps: int = 20, ranks: int = 4, json_ou
     from .config import PolicyConfig
 
     pcfg = PolicyConfig.from_yaml(config)  # fail fast, before launching anything
+    G = VIRTUAL_NODE if ranks % VIRTUAL_NODE == 0 else ranks  # an odd rank count: one node
     with tempfile.TemporaryDirectory() as tmp:
-        print(f"megatron-rails demo: {ranks} CPU ranks (gloo), {steps} steps, skewed routing; "
-              f"policy none, then {pcfg.policy} from {config}", file=sys.stderr)
-        base = _run(["--policy", "none"], "none", steps, ranks, f"{tmp}/none.json", json_out)
-        bal = _run(["--config", config], pcfg.policy, steps, ranks, f"{tmp}/bal.json", json_out)
+        print(f"megatron-rails demo: {ranks} CPU ranks (gloo) as {ranks // G} virtual node(s) x {G}, {steps} steps, skewed routing; policy none, then {pcfg.policy} "
+              f"(comm: {pcfg.comm}) from {config}", file=sys.stderr)
+        node = ["--ranks-per-node", str(G)]
+        base = _run(["--policy", "none", *node], "none", steps, ranks, f"{tmp}/none.json", json_out)
+        bal = _run(["--config", config, *node], pcfg.policy, steps, ranks, f"{tmp}/bal.json", json_out)
     bal["policy"] = pcfg.policy
     summary = summarize(base, bal)
+    summary.update(comm=pcfg.comm, ranks_per_node=G)
     plot(bal, png)
     summary["plot"] = png
     if json_out:
@@ -113,7 +117,8 @@ def run_demo(config: str | None = None, steps: int = 20, ranks: int = 4, json_ou
     from rich.console import Console
     from rich.table import Table
 
-    t = Table(title=f"megatron-rails demo: none vs {pcfg.policy} ({ranks} ranks, {steps} steps)")
+    t = Table(title=f"megatron-rails demo: none vs {pcfg.policy} + comm {pcfg.comm} ({ranks} ranks as "
+                    f"{ranks // G} virtual node(s), {steps} steps)")
     for col in ("layer", "max/mean before", "max/mean after", "token MB/step", "weight MB/step", "plan us p50"):
         t.add_column(col, justify="right")
     for x in summary["layers"]:
