@@ -167,3 +167,22 @@ def test_sbatch_fails_clearly(tmp_path):
     _, rc, state, log = submit(tmp_path, SBATCH_CPU.replace("train_iters", "steps"), timeout=120)
     assert rc != 0 and state == "FAILED", log
     assert "unknown key 'training.steps'; did you mean 'training.train_iters'?" in log
+
+
+@pytest.mark.slow
+@needs_slurm
+def test_sbatch_reports_a_killed_rank(tmp_path):
+    """A rank SIGKILLed mid all-to-all: the job ends FAILED (not hung, not COMPLETED) with torchrun's
+    report of the failed rank in the job log, and no process of the job survives it."""
+    global ENV
+    saved = ENV
+    ENV = dict(saved, MEGATRON_RAILS_FAULT="rank=1,site=token_dispatch,call=2,action=kill")
+    try:
+        job, rc, state, log = submit(tmp_path, SBATCH_CPU, timeout=300)
+    finally:
+        ENV = saved
+    assert rc != 0 and state == "FAILED", f"job {job}: exit {rc}, state {state}\n{log[-3000:]}"
+    assert "exitcode  : -9" in log or "Signals.SIGKILL" in log, log[-3000:]
+    assert not (tmp_path / "run" / "result.json").exists()
+    left = subprocess.run(["pgrep", "-f", str(tmp_path / "run")], capture_output=True, text=True).stdout.split()
+    assert not left, f"processes of job {job} survived: {left}"
