@@ -1,5 +1,5 @@
-"""Every `megatron-rails` command in README.md parses with the real CLI parser; the quick ones run
-here (the rest run in their own tests: bench planners --quick and demo in test_cli.py, the soak in
+"""Every `megatron-rails` command in README.md and docs/*.md parses with the real CLI parser (docs
+cannot drift from the flags); the README's quick ones run here (each doc's own test runs its commands; (the rest run in their own tests: bench planners --quick and demo in test_cli.py, the soak in
 reliability/test_soak.py, make demo / make test in CI)."""
 import re
 import shlex
@@ -15,19 +15,32 @@ ROOT = Path(__file__).resolve().parents[1]
 RUN_HERE = ("plan", "simulate a2a", "simulate run", "config validate", "config show")
 
 
-def readme_commands():
-    text = ROOT.joinpath("README.md").read_text()
-    blocks = re.findall(r"```bash\n(.*?)```", text, re.S)
-    cmds = []
-    for block in blocks:
-        for line in block.replace("\\\n", " ").splitlines():
-            line = line.split("  #")[0].strip()
-            if line.startswith("megatron-rails "):
-                cmds.append(shlex.split(line)[1:])
+def commands(path):
+    """`megatron-rails ...` lines (continuations joined, comments dropped) of shell code blocks."""
+    cmds, lang, buf = [], None, []
+    for line in path.read_text().splitlines():
+        if line.startswith("```"):
+            if lang is None:
+                lang, buf = line[3:].strip(), []
+                continue
+            if lang in ("", "bash", "sh", "console"):
+                for cmd in "\n".join(buf).replace("\\\n", " ").splitlines():
+                    cmd = cmd.split("  #")[0].strip()
+                    if cmd.startswith("megatron-rails "):
+                        cmds.append(shlex.split(cmd)[1:])
+            lang = None
+        elif lang is not None:
+            buf.append(line)
     return cmds
 
 
-CMDS = readme_commands()
+CMDS = commands(ROOT / "README.md")
+DOC_CMDS = [(p.name, c) for p in sorted((ROOT / "docs").glob("*.md")) for c in commands(p)]
+
+
+@pytest.mark.parametrize("doc,argv", DOC_CMDS, ids=[f"{d}: {' '.join(c[:2])}" for d, c in DOC_CMDS])
+def test_doc_command_parses(doc, argv):
+    build_parser().parse_args(argv)
 
 
 def test_readme_lists_commands():
