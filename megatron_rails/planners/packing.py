@@ -21,11 +21,15 @@ def replica_counts(load_E: np.ndarray, budget: int, min_E: np.ndarray, max_per_e
         return lo.copy()
 
     def n_at(lam: int) -> np.ndarray:  # replicas so that no replica carries more than lam tokens
-        return np.clip(-(-load // lam), lo, max_per_expert)
+        return np.minimum(np.maximum(-(-load // lam), lo), max_per_expert)  # np.clip costs 5x more here
 
     a, b = 1, int(load.max())  # n_at(b) is the minimum allocation; find the smallest lam within budget
     if n_at(a).sum() <= budget:
         return n_at(a)
+    # below total/budget tokens per replica the replicas would exceed the budget: start the search there
+    a0 = max(1, -(-int(load.sum()) // budget) - 1)
+    if a0 < b and n_at(a0).sum() > budget:
+        a = a0
     while b - a > 1:
         mid = (a + b) // 2
         if n_at(mid).sum() <= budget:
