@@ -6,6 +6,7 @@ the failure with a non-zero exit, and no process of the run may survive it.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -40,10 +41,17 @@ def _run_with_fault(tmp_path, fault: str, policy_args: list[str]):
            "--out", str(out)]
     env = dict(os.environ, MEGATRON_RAILS_FAULT=fault, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
     t0 = time.monotonic()
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S + 240)
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)  # its own process group: a test timeout kills all of it
+    try:
+        stdout, stderr = proc.communicate(timeout=TIMEOUT_S + 240)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        pytest.fail(f"the run did not stop within {TIMEOUT_S + 240} s (process group killed)")
     elapsed = time.monotonic() - t0
     time.sleep(1.0)
-    return proc, proc.stdout + proc.stderr, elapsed, _survivors(str(out)), out
+    return proc.returncode, stdout + stderr, elapsed, _survivors(str(out)), out
 
 
 DEFAULT = ["--config", str(Path(__file__).resolve().parents[2] / "configs" / "policies" / "default.yaml"),
@@ -56,9 +64,9 @@ DEFAULT = ["--config", str(Path(__file__).resolve().parents[2] / "configs" / "po
     ("hang", "token_dispatch", DEFAULT, ["injected fault on EP rank 1: hang", "CommError", "timed out"]),
 ], ids=["kill-direct", "raise-rails", "hang-rails"])
 def test_rank_fault_stops_the_run(tmp_path, action, site, policy_args, expect):
-    proc, text, elapsed, survivors, out = _run_with_fault(
+    rc, text, elapsed, survivors, out = _run_with_fault(
         tmp_path, f"rank=1,site={site},call=3,action={action}", policy_args)
-    assert proc.returncode != 0, f"torchrun exited 0 despite a {action}ed rank:\n{text[-3000:]}"
+    assert rc != 0, f"torchrun exited 0 despite a {action}ed rank:\n{text[-3000:]}"
     for needle in expect:
         assert needle in text, f"{action}: {needle!r} missing from the run's output:\n{text[-4000:]}"
     assert "ChildFailedError" in text or "failed" in text.lower(), text[-2000:]
