@@ -15,3 +15,11 @@ def uninstall():
     from .megatron import uninstall as _uninstall
 
     _uninstall()
+
+
+def metrics_summary(model):
+    """The latest per-layer metrics of every megatron-rails MoE layer in `model` (a module or a list
+    of model chunks): {layer number: the dispatcher's latest record}. See megatron/metrics.py."""
+    from .megatron.metrics import metrics_summary as _summary
+
+    return _summary(model)

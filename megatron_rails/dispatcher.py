@@ -65,7 +65,7 @@ class RailsTokenDispatcher(MoETokenDispatcher):
         self.plan = None
         self.unbalanced_steps = 0  # steps whose plan stayed above 1 + BALANCE_WARN max/mean
 
-    def attach_experts(self, experts: torch.nn.Module, layer: Optional[torch.nn.Module] = None) -> None:
+    def attach_experts(self, experts: torch.nn.Module, layer: torch.nn.Module | None = None) -> None:
         """Take over the layer's experts (any kind megatron/expert_kinds.py supports); `layer`, the
         MoELayer, gives the layer number for Megatron's metric tracker (held by weak reference)."""
         self._layer = rails_metrics.layer_ref(layer)

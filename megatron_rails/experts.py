@@ -1,5 +1,12 @@
-"""Expert store, owner layout: the stock local experts are the owners (and what checkpoints save);
-replica slots borrow their weights from the owners for one layer step.
+"""Expert stores: where expert weights live and how replica / FSEP slots get them.
+
+* ExpertStore (owner layout): the stock local experts are the owners (and what checkpoints save);
+  replica slots borrow their weights from the owners for one layer step.
+* ShardedExpertStore (FSEP): every expert's weights are sharded over all EP ranks.
+
+Both work on any expert module that megatron/expert_kinds.py has an adapter for (SequentialMLP,
+GroupedMLP, TEGroupedMLP): the adapter says which views of the stock parameters make up expert i
+and how one expert computes; nothing here knows a module's parameter layout.
 
 Replica weights travel as one flat vector per replica through a differentiable all-to-all, so in
 backward the replica weight gradients flow back through the reverse exchange and are summed into
@@ -11,36 +18,69 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from torch.func import functional_call
 
+from .megatron.expert_kinds import ExpertKind, expert_kind
 from .plan import Plan, owner_of_experts
 
 
+class _ToMainGrad(torch.autograd.Function):
+    """Identity on a view of an owner parameter whose gradient goes straight into the same view of
+    `param.main_grad`. Megatron's DDP adds `param.grad` to `main_grad` only when the module did not
+    accumulate into `main_grad` itself (`grad_added_to_main_grad`, Transformer Engine's fused wgrad
+    accumulation); adding the replicas' share directly is right in both cases. The owner's
+    AccumulateGrad node still waits for this backward, so DDP's grad-ready hook fires after it."""
+
+    @staticmethod
+    def forward(ctx, t, main_grad_view):
+        ctx.main_grad_view = main_grad_view
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.main_grad_view.add_(grad)
+        return None, None
+
+
 class ExpertStore:
-    """Wraps a Megatron-Core SequentialMLP (`local_experts` of identical MLP modules)."""
+    """Owner layout over a Megatron-Core experts module (any kind expert_kinds supports)."""
 
     def __init__(self, experts: torch.nn.Module, num_experts: int, rank: int, num_ranks: int):
-        local = getattr(experts, "local_experts", None)
-        if local is None or len(local) == 0:
-            raise TypeError(f"megatron-rails replicas need SequentialMLP experts (local_experts); got "
-                            f"{type(experts).__name__}")
+        self.kind: ExpertKind = expert_kind(experts)
         self.experts = experts
-        self.local = local
         self.num_experts, self.rank, self.num_ranks = num_experts, rank, num_ranks
-        self.names = [n for n, _ in local[0].named_parameters()]
-        self.shapes = [p.shape for _, p in local[0].named_parameters()]
-        self.numels = [p.numel() for _, p in local[0].named_parameters()]
+        self.params = dict(experts.named_parameters())  # the stock parameters, by name
         self.owner_E = owner_of_experts(num_experts, num_ranks)
         self.first_local = int(np.searchsorted(self.owner_E, rank))
+        owned = int((self.owner_E == rank).sum())
+        if owned != self.kind.num_local:
+            raise ValueError(f"EP rank {rank} owns {owned} experts but its {type(experts).__name__} has "
+                             f"{self.kind.num_local}")
+        first = self._views(self.first_local)
+        self.names = list(self.kind.slot_names)
+        self.shapes = [t.shape for t in first]
+        self.numels = [t.numel() for t in first]
 
     @property
     def flat_size(self) -> int:
         return int(sum(self.numels))
 
+    def _views(self, expert: int, source=None) -> list[torch.Tensor]:
+        """Expert `expert`'s tensors as views of the stock parameters, or of the same-shaped tensors
+        source(name) returns (gradients, checkpoint buffers)."""
+        get = source if source is not None else self.params.__getitem__
+        return [view(get(name)) for name, view in self.kind.slices(expert - self.first_local)]
+
     def flat(self, expert: int) -> torch.Tensor:
         """float [P]: owner expert's parameters as one differentiable vector."""
-        mod = self.local[expert - self.first_local]
-        return torch.cat([p.reshape(-1) for p in mod.parameters()])
+        i = expert - self.first_local
+        parts = []
+        for name, view in self.kind.slices(i):
+            p, t = self.params[name], view(self.params[name])
+            main_grad = getattr(p, "main_grad", None)
+            if main_grad is not None and p.requires_grad and torch.is_grad_enabled():
+                t = _ToMainGrad.apply(t, view(main_grad))
+            parts.append(t.reshape(-1))
+        return torch.cat(parts)
 
     def unflatten(self, vec_P: torch.Tensor) -> dict[str, torch.Tensor]:
         return {n: t.view(s) for n, t, s in zip(self.names, torch.split(vec_P, self.numels), self.shapes)}
@@ -66,7 +106,7 @@ class ExpertStore:
         recv = active[recv_mask][np.lexsort((slot[recv_mask], owner[recv_mask]))]
         send_D = np.bincount(p.replica_rank_R[send], minlength=D)
         recv_D = np.bincount(self.owner_E[p.replica_expert_R[recv]], minlength=D)
-        ref = next(self.local[0].parameters())
+        ref = next(iter(self.params.values()))
         if send.size:
             buf = torch.stack([self.flat(int(e)) for e in p.replica_expert_R[send]])
         else:
@@ -75,21 +115,18 @@ class ExpertStore:
         return {int(s): self.unflatten(got[i]) for i, s in enumerate(p.replica_slot_R[recv])}, got
 
     def compute(self, params: dict[str, torch.Tensor], x_NH: torch.Tensor, probs_N: torch.Tensor) -> torch.Tensor:
-        """The expert MLP with borrowed weights (same module code as the owners)."""
-        out, bias = functional_call(self.local[0], params, (x_NH, probs_N))
-        if bias is not None:
-            out = out + bias
-        return out
+        """One expert with borrowed weights: the stock module's math for that expert, probs applied."""
+        return self.kind.compute(params, x_NH, probs_N)
 
 
 class ShardedExpertStore(ExpertStore):
     """FSEP layout: every expert's flat parameters live as D shards, shard k on rank k
     (`shards_EP` float [E, ceil(P/D)], a Parameter registered on the experts module); the stock
-    local experts are kept only as the checkpoint view and no longer train.
+    expert parameters are kept only as the checkpoint view and no longer train.
 
     Each step the plan's slots are materialized by one all-to-all of shards; in backward the slot
     weight gradients travel back the same way and land in the shards. `state_dict()` of the layer
-    writes the current shards back into the stock local experts first (a collective: every rank
+    writes the current shards back into the stock parameters first (a collective: every rank
     saves), and `load_state_dict()` re-shards them, so checkpoints keep the stock layout.
     """
 
@@ -99,10 +136,13 @@ class ShardedExpertStore(ExpertStore):
         super().__init__(experts, num_experts, rank, num_ranks)
         self.exchange = exchange
         self.shard = -(-self.flat_size // num_ranks)
-        ref = next(self.local[0].parameters())
+        ref = next(iter(self.params.values()))
         shards = torch.nn.Parameter(ref.new_zeros((num_experts, self.shard)))
+        # each EP rank holds different shards: like Megatron's expert weights, reduce them over the
+        # expert-data-parallel group only (Megatron DDP reads `allreduce`)
+        shards.allreduce = not num_ranks > 1
         experts.register_parameter(self.PARAM, shards)
-        for p in self.local.parameters():
+        for p in self.params.values():
             p.requires_grad_(False)
         self.load_from_owners()
         experts._register_state_dict_hook(self._state_dict_hook)
@@ -115,13 +155,16 @@ class ShardedExpertStore(ExpertStore):
     def _owned(self) -> list[int]:
         return np.flatnonzero(self.owner_E == self.rank).tolist()
 
+    def _owned_flats(self) -> list[torch.Tensor]:
+        return [torch.cat([t.detach().reshape(-1) for t in self._views(e)]) for e in self._owned()]
+
     @torch.no_grad()
     def load_from_owners(self) -> None:
         """Shard the stock local experts' weights over all ranks (collective)."""
         D, pad = self.num_ranks, self.shard * self.num_ranks
         owned = self._owned()
-        flats = [torch.nn.functional.pad(self.flat(e).detach(), (0, pad - self.flat_size)).view(D, self.shard)
-                 for e in owned]
+        flats = [torch.nn.functional.pad(f, (0, pad - self.flat_size)).view(D, self.shard)
+                 for f in self._owned_flats()]
         buf = torch.stack(flats, 1).reshape(D * len(owned), self.shard) if owned else \
             self.shards_EP.new_zeros((0, self.shard))
         n_D = np.bincount(self.owner_E, minlength=D)
@@ -140,28 +183,31 @@ class ShardedExpertStore(ExpertStore):
         full = got.view(D, len(owned), self.shard).transpose(0, 1).reshape(len(owned), -1)
         return [full[i, :self.flat_size] for i in range(len(owned))]
 
+    @torch.no_grad()
+    def _scatter(self, flats: list[torch.Tensor], source=None) -> None:
+        """Write owned experts' flat vectors into the stock parameters (or into source(name))."""
+        for e, vec in zip(self._owned(), flats):
+            for t, piece in zip(self._views(e, source), torch.split(vec, self.numels)):
+                t.copy_(piece.view_as(t))
+
     def owner_layout_grads(self) -> dict[str, torch.Tensor]:
-        """Gradients of the stock local-expert parameters implied by the shard gradients (collective)."""
+        """Gradients of the stock expert parameters (names relative to the experts module) implied
+        by the shard gradients (collective)."""
         grad = self.shards_EP.grad if self.shards_EP.grad is not None else torch.zeros_like(self.shards_EP)
-        out = {}
-        for i, vec in enumerate(self.gather_to_owners(grad)):
-            for name, t in self.unflatten(vec).items():
-                out[f"local_experts.{i}.{name}"] = t.clone()
+        out = {n: torch.zeros_like(p) for n, p in self.params.items()}
+        self._scatter(self.gather_to_owners(grad), out.__getitem__)
         return out
 
     @torch.no_grad()
     def _write_back(self) -> None:
-        for i, vec in enumerate(self.gather_to_owners()):
-            for p, t in zip(self.local[i].parameters(), torch.split(vec, self.numels)):
-                p.copy_(t.view_as(p))
+        self._scatter(self.gather_to_owners())
 
     def _state_dict_hook(self, module, state, prefix, local_metadata):
         self._write_back()
-        for i, mod in enumerate(self.local):
-            for name, p in mod.named_parameters():
-                key = f"{prefix}local_experts.{i}.{name}"
-                if key in state:
-                    state[key] = p.detach().clone()
+        for name, p in self.params.items():
+            key = prefix + name
+            if key in state:
+                state[key] = p.detach().clone()
         state.pop(prefix + self.PARAM, None)
         return state
 
@@ -180,7 +226,7 @@ class ShardedExpertStore(ExpertStore):
         active = active[np.lexsort((p.replica_slot_R[active], p.replica_rank_R[active]))]
         D, me = self.num_ranks, self.rank
         dest = p.replica_rank_R[active]
-        idx = torch.from_numpy(p.replica_expert_R[active].copy())
+        idx = torch.from_numpy(p.replica_expert_R[active].copy()).to(self.shards_EP.device)
         buf = self.shards_EP.index_select(0, idx)  # my shard of every active slot, by (rank, slot)
         mine = active[dest == me]
         n_send = np.bincount(dest, minlength=D).tolist()

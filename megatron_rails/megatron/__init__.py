@@ -34,7 +34,10 @@ def install(cfg) -> PolicyConfig:
 
     from ..dispatcher import RailsTokenDispatcher
 
+    from .metrics import log_in_training_loop
+
     RailsTokenDispatcher.policy_config = pcfg
+    log_in_training_loop()  # on every rank, so all report the same tracker names
     if not _saved:
         _saved["dispatcher"] = moe_layer.MoEAlltoAllTokenDispatcher
         _saved["init"] = init = moe_layer.MoELayer.__init__
@@ -42,7 +45,7 @@ def install(cfg) -> PolicyConfig:
         def __init__(self, *args, **kwargs):
             init(self, *args, **kwargs)
             if isinstance(self.token_dispatcher, RailsTokenDispatcher):
-                self.token_dispatcher.attach_experts(self.experts)
+                self.token_dispatcher.attach_experts(self.experts, layer=self)
 
         moe_layer.MoEAlltoAllTokenDispatcher = RailsTokenDispatcher
         moe_layer.MoELayer.__init__ = __init__

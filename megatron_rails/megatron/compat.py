@@ -2,10 +2,20 @@
 
 * 0.16.x: `get_moe_module_spec` returns a ModuleSpec (`.submodules` for MoELayer);
 * 0.19.x: it returns `functools.partial(MoELayer, submodules=...)`.
+* expert modules: 0.16.x has SequentialMLP, GroupedMLP (legacy grouped_gemm) and TEGroupedMLP (built
+  from MLPSubmodules through ModuleSpec); 0.19.x dropped GroupedMLP and builds TEGroupedMLP from
+  GroupedMLPSubmodules through a partial (expert_kinds.py has the per-kind weight access);
+* MoE metric tracker: 0.16.x keeps a dict behind `moe_utils.save_to_aux_losses_tracker` /
+  `get_moe_layer_wise_logging_tracker` and logs through `moe_utils.track_moe_metrics`; 0.19.x has
+  `moe_logging.get_moe_metrics_tracker()` with `.record()` / `.report()` (the old names are
+  deprecated wrappers). Both average over data-parallel ranks only on request (0.16: `avg_group`,
+  0.19: `needs_dp_avg`).
 """
 from __future__ import annotations
 
 import functools
+import inspect
+import sys
 
 from megatron.core import __version__ as MCORE_VERSION  # noqa: F401  (re-exported for reports)
 
@@ -34,7 +44,9 @@ def rails_moe_layer_class():
     from megatron.core.transformer.moe import moe_layer
 
     from ..dispatcher import RailsTokenDispatcher
+    from .metrics import log_in_training_loop
 
+    log_in_training_loop()  # spec builders run on every rank, MoE stage or not
     global _RailsMoELayer
     if _RailsMoELayer is None:
         class RailsMoELayer(moe_layer.MoELayer):
@@ -49,7 +61,7 @@ def rails_moe_layer_class():
                 finally:
                     moe_layer.MoEAlltoAllTokenDispatcher = saved
                 if not getattr(self.token_dispatcher, "store", None):
-                    self.token_dispatcher.attach_experts(self.experts)
+                    self.token_dispatcher.attach_experts(self.experts, layer=self)
 
         _RailsMoELayer = RailsMoELayer
     return _RailsMoELayer
@@ -71,3 +83,128 @@ def rails_gpt_layer_local_spec(num_experts: int, **kwargs):
     else:
         mlp.module = cls
     return spec
+
+
+def grouped_experts_spec(experts_cls, linear_fc1, linear_fc2):
+    """What MoESubmodules.experts takes for a TEGroupedMLP-style module built over the given grouped
+    linear classes (any class with Transformer Engine GroupedLinear's constructor and contract)."""
+    from megatron.core.transformer.moe import experts as mx
+
+    if hasattr(mx, "GroupedMLPSubmodules"):  # 0.19: builders
+        return functools.partial(experts_cls, submodules=mx.GroupedMLPSubmodules(
+            linear_fc1=linear_fc1, linear_fc2=linear_fc2))
+    from megatron.core.transformer.mlp import MLPSubmodules
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    return ModuleSpec(module=experts_cls, submodules=MLPSubmodules(linear_fc1=linear_fc1, linear_fc2=linear_fc2))
+
+
+# -- MoE metric tracker ---------------------------------------------------------------------------
+
+def _new_tracker():
+    try:
+        from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+    except ImportError:  # 0.16
+        return None
+    return get_moe_metrics_tracker()
+
+
+def _data_parallel_group():
+    from megatron.core import parallel_state
+
+    try:
+        return parallel_state.get_data_parallel_group(with_context_parallel=False, partial_data_parallel=False)
+    except (AssertionError, RuntimeError):  # parallel_state not initialized (own process groups)
+        return None
+
+
+def record_moe_metric(name: str, value, layer_number: int, num_layers: int) -> None:
+    """Add `value` (a scalar tensor) to Megatron-Core's MoE tracker for `layer_number` (1-based);
+    the report sums pipeline stages, averages data-parallel ranks and scales by 1/microbatches."""
+    tracker = _new_tracker()
+    if tracker is not None:
+        tracker.record(name, value, layer_number=layer_number, num_layers=num_layers, needs_dp_avg=True)
+        return
+    from megatron.core.transformer.moe.moe_utils import save_to_aux_losses_tracker
+
+    save_to_aux_losses_tracker(name, value, layer_number, num_layers, avg_group=_data_parallel_group())
+
+
+def moe_metric_values(name: str):
+    """The tracker's per-layer values [num_layers] for `name`, or None when it holds none."""
+    tracker = _new_tracker()
+    if tracker is not None:
+        entry = tracker.metrics.get(name)
+        return None if entry is None else entry.values
+    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+    entry = get_moe_layer_wise_logging_tracker().get(name)
+    return None if entry is None else entry["values"]
+
+
+def clear_moe_metrics() -> None:
+    tracker = _new_tracker()
+    if tracker is not None:
+        tracker.clear()
+        return
+    from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
+
+    clear_aux_losses_tracker()
+
+
+def report_moe_metrics(**kwargs):
+    """Megatron-Core's end-of-step MoE report (sync, log to `writer`, clear), either version; keyword
+    arguments as in 0.16's track_moe_metrics / 0.19's MoEMetricsTracker.report."""
+    tracker = _new_tracker()
+    if tracker is not None:
+        return tracker.report(**kwargs)
+    from megatron.core.transformer.moe import moe_utils
+
+    return moe_utils.track_moe_metrics(**kwargs)
+
+
+_REPORT_EXTRA: list[str] = []
+
+
+def _with_extra_names(fn):
+    sig = inspect.signature(fn)
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        bound = sig.bind(*args, **kwargs)
+        names = bound.arguments.get("track_names")
+        if names is not None:  # None reports every entry already
+            names = [names] if isinstance(names, str) else list(names)
+            bound.arguments["track_names"] = names + [n for n in _REPORT_EXTRA if n not in names]
+        return fn(*bound.args, **bound.kwargs)
+
+    wrapper.__rails_extra_names__ = True
+    return wrapper
+
+
+def add_to_moe_report(names) -> None:
+    """Make Megatron-LM's training log report `names` too. Its `training_log` asks the tracker for an
+    explicit list (load_balancing_loss, z_loss, ...): other entries are cleared unreported. We add
+    ours to every explicit list, process-wide and for good; with force_initialize (Megatron-LM passes
+    it) pipeline stages without such a layer create zero entries, so every rank reduces the same
+    names. Every rank must therefore call this (install() does)."""
+    _REPORT_EXTRA.extend(n for n in names if n not in _REPORT_EXTRA)
+    try:
+        from megatron.core.transformer.moe.moe_logging import MoEMetricsTracker
+    except ImportError:  # 0.16: training.py imports track_moe_metrics by name
+        MoEMetricsTracker = None
+    if MoEMetricsTracker is not None:
+        if not getattr(MoEMetricsTracker.report, "__rails_extra_names__", False):
+            MoEMetricsTracker.report = _with_extra_names(MoEMetricsTracker.report)
+        return
+    from megatron.core.transformer.moe import moe_utils
+
+    original = moe_utils.track_moe_metrics
+    if getattr(original, "__rails_extra_names__", False):
+        return
+    wrapped = _with_extra_names(original)
+    moe_utils.track_moe_metrics = wrapped
+    for module in list(sys.modules.values()):  # modules that imported the name already
+        if getattr(module, "__name__", "").startswith("megatron.") and \
+                getattr(module, "track_moe_metrics", None) is original:
+            module.track_moe_metrics = wrapped
