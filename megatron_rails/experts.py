@@ -147,6 +147,17 @@ class ShardedExpertStore(ExpertStore):
         self.load_from_owners()
         experts._register_state_dict_hook(self._state_dict_hook)
         experts.register_load_state_dict_post_hook(lambda module, keys: self._after_load(keys))
+        # Megatron's distributed checkpoints read the stock parameters through sharded_state_dict(),
+        # not state_dict(): write the shards back first there too, and keep the shards out of it.
+        # (Loading goes through load_state_dict(), whose post-hook above re-shards.)
+        stock_sharded = getattr(experts, "sharded_state_dict", None)
+        if stock_sharded is not None:
+            def sharded_state_dict(*args, **kwargs):
+                self._write_back()
+                out = stock_sharded(*args, **kwargs)
+                return {k: v for k, v in out.items() if not k.endswith(self.PARAM)}
+
+            experts.sharded_state_dict = sharded_state_dict
 
     @property
     def shards_EP(self) -> torch.nn.Parameter:

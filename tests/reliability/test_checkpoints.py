@@ -100,3 +100,36 @@ def _worker(rank, world, tmp):
 
 def test_checkpoints_and_determinism_every_policy(tmp_path):
     spawn(_worker, 4, str(tmp_path))
+
+
+def _sharded_worker(rank, world):
+    """fsep keeps the trained expert weights in its shards: Megatron's distributed-checkpoint path
+    (sharded_state_dict) must see them, exactly as state_dict() does."""
+    import torch
+
+    from moe_harness import build_moe_layer, moe_config
+    import megatron_rails
+
+    torch.manual_seed(3)
+    megatron_rails.install({"policy": "fsep", "slots": 1, "ranks_per_node": 2})
+    try:
+        layer = build_moe_layer(moe_config(world, "alltoall"))
+    finally:
+        megatron_rails.uninstall()
+    store = layer.token_dispatcher.store
+    with torch.no_grad():  # what training does to the shards; the stock copies go stale
+        store.shards_EP.add_(torch.randn(store.shards_EP.shape, generator=torch.Generator().manual_seed(rank)))
+    sharded = layer.sharded_state_dict()  # first, and copied now: its tensors alias the parameters
+    sharded = {k: v.data.clone() for k, v in sharded.items() if torch.is_tensor(getattr(v, "data", None))}
+    plain = layer.state_dict()
+    expert_keys = [k for k in sharded if "experts." in k]
+    assert len(expert_keys) >= 2 and not any(k.endswith(store.PARAM) for k in sharded), list(sharded)
+    for k in expert_keys:
+        ten = sharded[k]
+        match = [v for n, v in plain.items() if n.startswith("experts.") and torch.is_tensor(v) and v.shape == ten.shape
+                 and torch.equal(v, ten)]
+        assert match, f"{k}: the sharded checkpoint view does not hold the trained (shard) weights"
+
+
+def test_fsep_distributed_checkpoint_view_is_current():
+    spawn(_sharded_worker, 2)
