@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 SHAPE = dict(hidden=256, ffn=512, experts=8, topk=2, tokens=1024)
-POLICIES = ["none", "eplb", "ultraep", "lp", "fsep"]
+POLICIES = ["none", "eplb", "ultraep", "lp", "fsep", "fsep+rails"]  # +rails: comm rails, 2 virtual nodes
 SKEWS = {"uniform": 0.0, "zipf:1.2": 1.2}
 
 
@@ -64,7 +64,8 @@ def _worker(rank, world, port, reps, out):
     for skew, s in SKEWS.items():
         x0, bias = _inputs(rank, s)
         for policy in POLICIES:
-            megatron_rails.install({"policy": policy, "slots": 2, "ranks_per_node": 2})
+            name, _, comm = policy.partition("+")
+            megatron_rails.install({"policy": name, "slots": 2, "ranks_per_node": 2, "comm": comm or "direct"})
             layer = _layer(world, "alltoall")
             megatron_rails.uninstall()
             with torch.no_grad():
