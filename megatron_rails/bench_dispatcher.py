@@ -68,6 +68,7 @@ def _worker(rank, world, port, reps, out):
             megatron_rails.install({"policy": name, "slots": 2, "ranks_per_node": 2, "comm": comm or "direct"})
             layer = _layer(world, "alltoall")
             megatron_rails.uninstall()
+            layer.token_dispatcher.recent_plans = 0  # the same batch every rep: still plan every time
             with torch.no_grad():
                 layer.router.weight.add_(bias)
             times = []

@@ -15,9 +15,10 @@ rank, Q pairs received, H hidden size.
 """
 from __future__ import annotations
 
+import hashlib
 import time
 import warnings
-from collections import deque
+from collections import OrderedDict, deque
 from typing import Optional
 
 import numpy as np
@@ -35,6 +36,7 @@ from .planners import make_planner
 
 
 METRICS_KEPT = 10_000  # per-layer metric records a dispatcher keeps (one per microbatch step)
+RECENT_PLANS = 16  # plans kept for replayed forwards (activation recompute of in-flight microbatches)
 BALANCE_WARN = 0.05  # a balancing policy above 1 + this max/mean tokens per rank is reported
 
 
@@ -43,6 +45,7 @@ class PlanMismatchError(RuntimeError):
 
 
 class RailsTokenDispatcher(MoETokenDispatcher):
+    recent_plans = RECENT_PLANS  # 0: plan every call (tests that count calls, benchmarks that time planning)
     policy_config: PolicyConfig = PolicyConfig(policy="ultraep")  # set by megatron_rails.install()
 
     def __init__(self, num_local_experts: int, local_expert_indices, config, pg_collection=None):
@@ -64,6 +67,7 @@ class RailsTokenDispatcher(MoETokenDispatcher):
         self.metrics: deque[dict] = deque(maxlen=METRICS_KEPT)
         self.plan = None
         self.unbalanced_steps = 0  # steps whose plan stayed above 1 + BALANCE_WARN max/mean
+        self._recent: OrderedDict = OrderedDict()  # counts digest -> plan, the latest RECENT_PLANS
 
     def attach_experts(self, experts: torch.nn.Module, layer: torch.nn.Module | None = None) -> None:
         """Take over the layer's experts (any kind megatron/expert_kinds.py supports); `layer`, the
@@ -83,10 +87,21 @@ class RailsTokenDispatcher(MoETokenDispatcher):
         t0 = time.perf_counter()
         counts_DE = all_gather_counts(routing_map.sum(dim=0), self.ep_group)
         t1 = time.perf_counter()
-        plan, self.state = self.planner.plan(counts_DE, self.state)
+        # activation recompute runs this forward again (maybe after other microbatches): the same
+        # counts get the same plan and do not advance a history-based planner's state twice
+        key = hashlib.blake2b(counts_DE.tobytes(), digest_size=16).digest()
+        replay = self._recent.get(key)
+        if replay is None:
+            plan, self.state = self.planner.plan(counts_DE, self.state)
+        else:
+            plan = replay
         t2 = time.perf_counter()
         if self.pcfg.check_plan:
             self._check_plan(plan)
+        if replay is None and self.recent_plans:  # only plans that passed the check are replayed
+            self._recent[key] = plan
+            if len(self._recent) > self.recent_plans:
+                self._recent.popitem(last=False)
         self.plan = plan
         p, me = plan.placement, self.ep_rank
         ptr, rep_M, tok_M = plan.route
@@ -102,7 +117,8 @@ class RailsTokenDispatcher(MoETokenDispatcher):
         probs_P = probs[t_P, e_P][order_t]
         self.send_D = np.bincount(dest_P, minlength=self.ep_size).tolist()
         self.recv_D = plan.send_DD[:, me].tolist()
-        self._record(plan, counts_DE, (t1 - t0) * 1e6, (t2 - t1) * 1e6, x_TH)
+        if replay is None:  # a replayed forward is not a new step for the metrics either
+            self._record(plan, counts_DE, (t1 - t0) * 1e6, (t2 - t1) * 1e6, x_TH)
         return x_TH[self.token_P], probs_P
 
     # -- 2. exchange ----------------------------------------------------------------------------
