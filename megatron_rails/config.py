@@ -16,6 +16,19 @@ class ConfigError(ValueError):
     """A configuration file or value is invalid."""
 
 
+def from_mapping(cls, data: dict, where: str = "<dict>"):
+    """Build the config dataclass `cls` from a mapping; ConfigError naming `where` and the key for
+    unknown keys (listing the valid ones) and for every value the dataclass rejects."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ConfigError(f"{where}: unknown key(s) {', '.join(unknown)}; valid keys: {', '.join(sorted(names))}")
+    try:
+        return cls(**data)
+    except (ConfigError, TypeError) as err:
+        raise ConfigError(f"{where}: {err}") from None
+
+
 @dataclass(frozen=True)
 class PolicyConfig:
     """policy: none | eplb | fsep | ultraep | lp.  slots: R (see PlannerConfig).  ranks_per_node: G
@@ -57,14 +70,7 @@ class PolicyConfig:
 
     @classmethod
     def from_dict(cls, data: dict, where: str = "<dict>") -> "PolicyConfig":
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - names)
-        if unknown:
-            raise ConfigError(f"{where}: unknown key(s) {', '.join(unknown)}; valid keys: {', '.join(sorted(names))}")
-        try:
-            return cls(**data)
-        except ConfigError as err:
-            raise ConfigError(f"{where}: {err}") from None
+        return from_mapping(cls, data, where)
 
     @classmethod
     def from_yaml(cls, path) -> "PolicyConfig":

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..config import ConfigError
+from ..config import ConfigError, from_mapping
 
 PRESET_DIR = Path(__file__).resolve().parents[2] / "configs" / "topology"
 
@@ -90,16 +90,7 @@ class Topology:
     # -- loading ---------------------------------------------------------------------------------
     @classmethod
     def from_dict(cls, data: dict, where: str = "<dict>") -> "Topology":
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - names)
-        if unknown:
-            raise ConfigError(f"{where}: unknown key(s) {', '.join(unknown)}; valid keys: {', '.join(sorted(names))}")
-        try:
-            return cls(**data)
-        except ConfigError as err:
-            raise ConfigError(f"{where}: {err}") from None
-        except TypeError as err:
-            raise ConfigError(f"{where}: {err}") from None
+        return from_mapping(cls, data, where)
 
 
 def presets() -> list[str]:

@@ -5,19 +5,8 @@ import argparse
 import json
 import sys
 
+from ..cli_sim import int_at_least as _int_at_least
 from .model import A2A_MODELS, OVERLAPS, WEIGHT_SYNCS
-
-
-def _int_at_least(name: str, lo: int):
-    def conv(text: str) -> int:
-        try:
-            v = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be an integer, got {text!r}") from None
-        if v < lo:
-            raise argparse.ArgumentTypeError(f"{name} must be >= {lo}, got {v}")
-        return v
-    return conv
 
 
 def register_run(subparsers) -> None:
