@@ -17,31 +17,37 @@ import numpy as np
 from moe_harness import spawn
 
 CASES = [("none", "direct"), ("eplb", "direct"), ("ultraep", "direct"), ("lp", "direct"), ("fsep", "direct"),
-         ("fsep", "rails"), ("ultraep", "rails")]
+         ("fsep", "rails")]
 if float(os.environ.get("MEGATRON_RAILS_TEST_SCALE", "1")) < 1:  # CI's second Megatron-Core version
     CASES = [("ultraep", "direct"), ("fsep", "rails"), ("lp", "direct")]
 STEPS, HALF = 6, 3
 
 
+def _shape():
+    from megatron_rails.train_demo import DemoShape
+
+    return DemoShape(layers=1)  # one MoE layer keeps 6 cases x 7 runs inside the CI budget
+
+
 def _build(case, world):
     import megatron_rails
-    from megatron_rails.train_demo import DemoShape, build_model
+    from megatron_rails.train_demo import build_model
 
     if case == "stock":
-        return build_model(DemoShape(), world, "allgather")
+        return build_model(_shape(), world, "allgather")
     policy, comm = case
     megatron_rails.install({"policy": policy, "slots": 2, "ranks_per_node": 2, "comm": comm, "interval": 2,
                             "window": 2})
     try:
-        return build_model(DemoShape(), world, "alltoall")
+        return build_model(_shape(), world, "alltoall")
     finally:
         megatron_rails.uninstall()
 
 
 def _train(model, steps, rank, world, start=0):
-    from megatron_rails.train_demo import DemoShape, make_optimizer, train_steps
+    from megatron_rails.train_demo import make_optimizer, train_steps
 
-    losses, _ = train_steps(model, DemoShape(), steps, rank, world, opt=make_optimizer(model, "sgd"), start=start)
+    losses, _ = train_steps(model, _shape(), steps, rank, world, opt=make_optimizer(model, "sgd"), start=start)
     return losses
 
 

@@ -11,6 +11,6 @@ def test_planner_soak_short():
 
 
 def test_dispatcher_soak_short():
-    res = dispatcher_soak(steps=2 * len(CASES) + 2, world=4)
+    res = dispatcher_soak(steps=len(CASES) + 2, world=4)
     assert res["failures"] == [], res["failures"][:3]
     assert len(res["rss_mb_end"]) == 4
