@@ -32,8 +32,9 @@ def from_mapping(cls, data: dict, where: str = "<dict>"):
 @dataclass(frozen=True)
 class PolicyConfig:
     """policy: none | eplb | fsep | ultraep | lp.  slots: R (see PlannerConfig).  ranks_per_node: G
-    (0 = all EP ranks on one node).  comm: direct | rails.  check_plan: all-reduce the plan digest
-    every layer and raise on any mismatch (debug mode)."""
+    (0 = all EP ranks on one node; also the node size of RailS's node and rail groups).  comm: direct |
+    rails.  check_plan: validate the plan and all-reduce its digest every layer, raise on every rank
+    on any invalid or differing plan (debug mode)."""
 
     policy: str = "fsep"
     slots: int = 1

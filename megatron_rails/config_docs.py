@@ -22,7 +22,7 @@ POLICY_DOCS = {
     "interval": "eplb: re-plan period in steps",
     "placement": "lp: the placement it schedules tokens on (static \\| eplb \\| ultraep \\| fsep)",
     "comm": "direct \\| rails: token all-to-all backend (rails: RailS multi-phase over rail groups)",
-    "check_plan": "all-reduce the plan digest every layer and raise on a mismatch (debug)",
+    "check_plan": "validate the plan and all-reduce its digest every layer; raise on every rank on a mismatch (debug)",
 }
 TOPOLOGY_DOCS = {
     "name": "preset name (defaults to the file name)",
