@@ -88,7 +88,7 @@ class ExpertStore:
     def fetch(self, plan: Plan, exchange) -> tuple[dict[int, dict[str, torch.Tensor]], torch.Tensor | None]:
         """Bring the weights of this rank's active replica slots from their owners.
 
-        exchange(x, send_D, recv_D): the all-to-all to use. Every rank calls this with the same
+        exchange(x, send_D, recv_D, traffic_DD): the all-to-all to use. Every rank calls this with the same
         plan. Returns ({slot: parameter dict}, the received buffer [n, P] or None when no rank
         exchanged weights). The caller must keep the buffer in the autograd graph even when it is
         empty, so that every rank joins the reverse exchange in backward.
@@ -111,7 +111,10 @@ class ExpertStore:
             buf = torch.stack([self.flat(int(e)) for e in p.replica_expert_R[send]])
         else:
             buf = ref.new_zeros((0, self.flat_size)).requires_grad_(ref.requires_grad)
-        got = exchange(buf, send_D.tolist(), recv_D.tolist())
+        # the whole exchange, known to every rank from the plan (a RailS backend needs it)
+        traffic_DD = np.zeros((D, D), dtype=np.int64)
+        np.add.at(traffic_DD, (owner, dest), 1)
+        got = exchange(buf, send_D.tolist(), recv_D.tolist(), traffic_DD)
         return {int(s): self.unflatten(got[i]) for i, s in enumerate(p.replica_slot_R[recv])}, got
 
     def compute(self, params: dict[str, torch.Tensor], x_NH: torch.Tensor, probs_N: torch.Tensor) -> torch.Tensor:
@@ -240,7 +243,8 @@ class ShardedExpertStore(ExpertStore):
         idx = torch.from_numpy(p.replica_expert_R[active].copy()).to(self.shards_EP.device)
         buf = self.shards_EP.index_select(0, idx)  # my shard of every active slot, by (rank, slot)
         mine = active[dest == me]
-        n_send = np.bincount(dest, minlength=D).tolist()
-        got = exchange(buf, n_send, [int(mine.size)] * D)  # [D * n_mine, shard], by source rank
+        n_send = np.bincount(dest, minlength=D)
+        traffic_DD = np.broadcast_to(n_send, (D, D))  # every rank sends its shard of every active slot
+        got = exchange(buf, n_send.tolist(), [int(mine.size)] * D, traffic_DD)  # [D * n_mine, shard], by source
         full = got.view(D, mine.size, self.shard).transpose(0, 1).reshape(mine.size, -1)
         return {int(s): self.unflatten(full[i, :self.flat_size]) for i, s in enumerate(p.replica_slot_R[mine])}, got
