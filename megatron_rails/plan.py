@@ -124,9 +124,8 @@ class Placement:
         """A placement a planner built to satisfy the model by construction (read-only int64
         slot table): no checks on the hot path. Tests call `validate()` on every planner's output."""
         obj = object.__new__(cls)
-        for k, v in (("slot_expert_DS", slot_expert_DS), ("num_experts", num_experts),
-                     ("ranks_per_node", ranks_per_node), ("layout", layout), ("owner_slots", owner_slots)):
-            object.__setattr__(obj, k, v)
+        obj.__dict__.update(slot_expert_DS=slot_expert_DS, num_experts=num_experts, ranks_per_node=ranks_per_node,
+                            layout=layout, owner_slots=owner_slots)  # frozen: no __setattr__ (hot path)
         return obj
 
     # -- constructors ---------------------------------------------------------------------------
@@ -372,9 +371,8 @@ class Plan:
         the planner, read-only int64 arrays): no checks on the hot path. The route derivation still
         checks quotas against counts when the route is first used; `validate()` checks the rest."""
         obj = object.__new__(cls)
-        for k, v in (("placement", placement), ("counts_DE", counts_DE), ("quota_R", quota_R),
-                     ("policy", policy), ("info", dict(info or {}))):
-            object.__setattr__(obj, k, v)
+        obj.__dict__.update(placement=placement, counts_DE=counts_DE, quota_R=quota_R, policy=policy,
+                            info=dict(info) if info else {})  # frozen: no __setattr__ (hot path)
         return obj
 
     # -- constructors ---------------------------------------------------------------------------

@@ -17,5 +17,10 @@ class NonePlanner(PlannerBase):
 
     def plan(self, counts_DE, state=None):
         counts = self.counts(counts_DE)
-        # one replica per expert, in expert order: its quota is the expert's whole load
-        return Plan.from_quotas(self._placement, counts, counts.sum(axis=0), policy=self.name), None
+        # one replica per expert, in expert order: its quota is the expert's whole load, so the
+        # plan holds by construction
+        load_E = counts.sum(axis=0)
+        load_E.flags.writeable = False
+        plan = Plan.trusted(self._placement, counts, load_E, policy=self.name)
+        plan.__dict__["load_E"] = load_E
+        return plan, None

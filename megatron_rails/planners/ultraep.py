@@ -32,7 +32,9 @@ class UltraEPPlanner(PlannerBase):
         expert_E, owner_E = np.arange(cfg.num_experts, dtype=np.int64), self._blocks.owner_E
         self._owner_key = expert_E * cfg.num_ranks + owner_E
         slot_E = expert_E - np.asarray(self._blocks.first_D, dtype=np.int64)[owner_E]
-        self._owner_rows = np.stack((expert_E, owner_E, slot_E))  # [3, E]: the owner replicas' table
+        # the owner replicas' table, a row (expert, rank, slot, quota) per owner: quotas set per plan
+        self._owner_rows = np.ascontiguousarray(np.stack((expert_E, owner_E, slot_E, expert_E)).T)
+        self._L = self._blocks.idx_DL.shape[1]
 
     def plan(self, counts_DE, state=None):
         counts = self.counts(counts_DE)
@@ -81,27 +83,29 @@ class UltraEPPlanner(PlannerBase):
         if not got:
             return Placement.owner_from_pairs(E, D, cfg.ranks_per_node, cfg.slots, (), ()), load_E, 0
         if how == "cascade":  # at most one piece per rank: it goes to the rank's first redundant slot
-            e_D, a_D = (np.asarray(x, dtype=np.int64) for x in got)
-            L = self._blocks.idx_DL.shape[1]
+            # (hot path: as few numpy calls as the merge allows)
+            L = self._L
+            e_D = np.array(got[0], dtype=np.int64)
+            d_X = (e_D >= 0).nonzero()[0]
+            e_X = e_D[d_X]
+            X = d_X.size
             se = _owner_template(E, D, cfg.slots).copy()
             se[:, L] = e_D
             se.flags.writeable = False
             p = Placement.trusted(se, E, cfg.ranks_per_node, OWNER, L)
-            # the replica table directly: owners (already in (expert, rank) order) merged with the
-            # exports by their (expert, rank) keys; rows expert, rank, slot, quota
-            d_X = np.flatnonzero(e_D >= 0)
-            e_X = e_D[d_X]
-            X = d_X.size
-            buf = np.empty((4, E + X), dtype=np.int64)
-            buf[:3, :E] = self._owner_rows
-            buf[0, E:], buf[1, E:], buf[2, E:], buf[3, E:] = e_X, d_X, L, a_D[d_X]
+            # the replica table directly: owner rows (already in (expert, rank) order) merged with
+            # the export rows by their (expert, rank) keys
+            rows = np.empty((E + X, 4), dtype=np.int64)
+            rows[:E] = self._owner_rows
+            ex = rows[E:]
+            ex[:, 0], ex[:, 1], ex[:, 2], ex[:, 3] = e_X, d_X, L, np.array(got[1], dtype=np.int64)[d_X]
             # owners keep what they did not export
-            buf[3, :E] = load_E - np.bincount(e_X, weights=buf[3, E:], minlength=E).astype(np.int64)
-            table = buf[:, np.argsort(np.concatenate((self._owner_key, e_X * D + d_X)), kind="stable")]
+            rows[:E, 3] = load_E - np.bincount(e_X, weights=ex[:, 3], minlength=E).astype(np.int64)
+            key = np.concatenate((self._owner_key, e_X * D + d_X))
+            table = np.ascontiguousarray(rows.take(key.argsort(kind="stable"), axis=0).T)
             table.flags.writeable = False
             p.__dict__["_replicas"] = (table[0], table[1], table[2])
-            quota = table[3]  # read-only: Plan keeps it without a copy
-            return p, quota, int(X)
+            return p, table[3], int(X)  # quotas read-only: Plan keeps them without a copy
         e_I, d_I, a_I = np.array(got, dtype=np.int64).reshape(-1, 3).T
         p = Placement.owner_from_pairs(E, D, cfg.ranks_per_node, cfg.slots, d_I, e_I)
         kept_E = load_E - np.bincount(e_I, weights=a_I, minlength=E).astype(np.int64)
