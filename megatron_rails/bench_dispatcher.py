@@ -18,6 +18,7 @@ import torch.multiprocessing as mp
 SHAPE = dict(hidden=256, ffn=512, experts=8, topk=2, tokens=1024)
 POLICIES = ["none", "eplb", "ultraep", "lp", "fsep", "fsep+rails"]  # +rails: comm rails, 2 virtual nodes
 SKEWS = {"uniform": 0.0, "zipf:1.2": 1.2}
+WARMUP = 2  # untimed rounds
 
 
 def _layer(world, dispatcher):
@@ -37,16 +38,26 @@ def _layer(world, dispatcher):
 
 
 def _inputs(rank, s):
-    """x [T, 1, H] and a router bias direction that gives a zipf(s)-like expert popularity."""
+    """x [T, 1, H] (noise plus a common direction u) and the unit vector u. `_skew_router` makes the
+    router's logits along u give every expert a zipf(s) popularity (s = 0: uniform)."""
     rng = np.random.default_rng(100 + rank)
-    H, E = SHAPE["hidden"], SHAPE["experts"]
+    H = SHAPE["hidden"]
     u = np.random.default_rng(5).standard_normal(H)
     u /= np.linalg.norm(u)
     x = rng.standard_normal((SHAPE["tokens"], H)) * 0.5 + 2.0 * u
+    return torch.tensor(x, dtype=torch.float32).view(-1, 1, H), torch.tensor(u, dtype=torch.float32)
+
+
+@torch.no_grad()
+def _skew_router(weight_EH: torch.Tensor, u_H: torch.Tensor, s: float) -> None:
+    """Set the router's component along u so that logits offset by log(1 / rank^s) per expert (a
+    fixed random expert order): the random initial component along u is removed first, otherwise
+    it alone skews "uniform" routing."""
+    E = weight_EH.shape[0]
     alpha = np.log(1.0 / np.arange(1, E + 1) ** s) if s else np.zeros(E)
-    alpha = np.random.default_rng(6).permutation(alpha)
-    return torch.tensor(x, dtype=torch.float32).view(-1, 1, H), torch.tensor(np.outer(alpha, u) / 2.0,
-                                                                            dtype=torch.float32)
+    alpha = torch.tensor(np.random.default_rng(6).permutation(alpha), dtype=weight_EH.dtype)
+    weight_EH -= torch.outer(weight_EH @ u_H, u_H)
+    weight_EH += torch.outer(alpha, u_H) / 2.0  # x carries 2 u
 
 
 def _worker(rank, world, port, reps, out):
@@ -62,28 +73,34 @@ def _worker(rank, world, port, reps, out):
     ps.initialize_model_parallel(expert_model_parallel_size=world)
     rows = []
     for skew, s in SKEWS.items():
-        x0, bias = _inputs(rank, s)
+        x0, u = _inputs(rank, s)
+        layers = {}
         for policy in POLICIES:
             name, _, comm = policy.partition("+")
             megatron_rails.install({"policy": name, "slots": 2, "ranks_per_node": 2, "comm": comm or "direct"})
-            layer = _layer(world, "alltoall")
+            layers[policy] = layer = _layer(world, "alltoall")
             megatron_rails.uninstall()
             layer.token_dispatcher.recent_plans = 0  # the same batch every rep: still plan every time
-            with torch.no_grad():
-                layer.router.weight.add_(bias)
-            times = []
-            for it in range(reps + 3):
+            _skew_router(layer.router.weight, u, s)
+        # rounds over all policies (the order rotating), so that slow spells of a shared machine
+        # hit every policy alike; the first WARMUP rounds are not timed
+        times = {policy: [] for policy in POLICIES}
+        for it in range(reps + WARMUP):
+            k = it % len(POLICIES)
+            for policy in POLICIES[k:] + POLICIES[:k]:
                 x = x0.clone().requires_grad_(True)
                 dist.barrier()
                 t0 = time.perf_counter()
-                y, _ = layer(x)
+                y, _ = layers[policy](x)
                 y.sum().backward()
                 dist.barrier()
-                if it >= 3:
-                    times.append(time.perf_counter() - t0)
+                if it >= WARMUP:
+                    times[policy].append(time.perf_counter() - t0)
+        for policy in POLICIES:
+            layer = layers[policy]
             m = layer.token_dispatcher.metrics
-            rows.append({"policy": policy, "skew": skew, "ms_p50": float(np.median(times) * 1e3),
-                         "ms_min": float(np.min(times) * 1e3),
+            rows.append({"policy": policy, "skew": skew, "ms_p50": float(np.median(times[policy]) * 1e3),
+                         "ms_min": float(np.min(times[policy]) * 1e3),
                          "max_over_mean_before": float(np.mean([r["max_over_mean_before"] for r in m])),
                          "max_over_mean_after": float(np.mean([r["max_over_mean_after"] for r in m])),
                          "plan_us_p50": float(np.median([r["plan_us"] for r in m])),

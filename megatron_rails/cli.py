@@ -45,7 +45,7 @@ def cmd_plan(args) -> int:
     counts = _counts_from_args(args)
     D, E = counts.shape
     cfg = PlannerConfig(D, E, args.ranks_per_node, args.slots, window=args.window, interval=args.interval,
-                        placement=args.placement)
+                        placement=args.placement, tolerance=args.tolerance)
     row = measure(args.policy, cfg, counts, min_reps=args.repeats, budget_s=args.budget)
     if args.json:
         print(json.dumps(row))
@@ -103,6 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--window", type=int, default=10, help="eplb: moving-average window (steps)")
     p.add_argument("--interval", type=int, default=10, help="eplb: re-plan period (steps)")
     p.add_argument("--placement", default="ultraep", help="lp: placement to schedule on (static|eplb|ultraep|fsep)")
+    p.add_argument("--tolerance", type=float, default=0.0,
+                   help="owner-layout policies keep the stock layout while its max/mean is <= 1 + this "
+                        "(default 0 here: the planner's exact behaviour; policy configs default to 0.05)")
     p.add_argument("--repeats", type=int, default=50, help="minimum timed plan() calls")
     p.add_argument("--budget", type=float, default=0.5, help="seconds spent timing (at least --repeats calls)")
     p.add_argument("--json", action="store_true", help="print one JSON object")

@@ -33,7 +33,8 @@ def from_mapping(cls, data: dict, where: str = "<dict>"):
 class PolicyConfig:
     """policy: none | eplb | fsep | ultraep | lp.  slots: R (see PlannerConfig).  ranks_per_node: G
     (0 = all EP ranks on one node; also the node size of RailS's node and rail groups).  comm: direct |
-    rails.  check_plan: validate the plan and all-reduce its digest every layer, raise on every rank
+    rails.  tolerance: owner-layout policies move no weights while the stock max/mean tokens per
+    rank is within 1 + tolerance (PlannerConfig).  check_plan: validate the plan and all-reduce its digest every layer, raise on every rank
     on any invalid or differing plan (debug mode)."""
 
     policy: str = "fsep"
@@ -44,6 +45,7 @@ class PolicyConfig:
     placement: str = "ultraep"
     comm: str = "direct"
     check_plan: bool = False
+    tolerance: float = 0.05
 
     def __post_init__(self):
         from .planners import POLICIES
@@ -66,6 +68,10 @@ class PolicyConfig:
                                 or (self.policy == "lp" and self.placement != "fsep")):
             raise ConfigError(f"slots: {self.policy} balances through redundant replica slots and needs slots >= 1 "
                               f"(0 leaves it stock expert parallelism; use policy none for that)")
+        t = self.tolerance
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 <= t <= 1:
+            raise ConfigError(f"tolerance: expected a number in [0, 1] (max/mean tokens per rank - 1 that owner-layout "
+                              f"policies leave as is), got {t!r}")
         if not isinstance(self.check_plan, bool):
             raise ConfigError(f"check_plan: expected true or false, got {self.check_plan!r}")
 
@@ -90,4 +96,4 @@ class PolicyConfig:
 
         G = self.ranks_per_node or num_ranks
         return PlannerConfig(num_ranks, num_experts, min(G, num_ranks), self.slots, window=self.window,
-                             interval=self.interval, placement=self.placement)
+                             interval=self.interval, placement=self.placement, tolerance=float(self.tolerance))

@@ -22,6 +22,9 @@ POLICY_DOCS = {
     "interval": "eplb: re-plan period in steps",
     "placement": "lp: the placement it schedules tokens on (static \\| eplb \\| ultraep \\| fsep)",
     "comm": "direct \\| rails: token all-to-all backend (rails: RailS multi-phase over rail groups)",
+    "tolerance": "owner-layout policies (ultraep, eplb, lp on those) move no weights while the stock max/mean tokens "
+                 "per rank is at most 1 + tolerance; above it they balance fully (a trigger, not a target). fsep "
+                 "always materializes",
     "check_plan": "validate the plan and all-reduce its digest every layer; raise on every rank on a mismatch (debug)",
 }
 TOPOLOGY_DOCS = {

@@ -151,7 +151,8 @@ def test_unknown_policy():
 
 
 @pytest.mark.parametrize("bad", [dict(num_ranks=0), dict(slots=-1), dict(ranks_per_node=3),
-                                 dict(num_experts=0), dict(window=0)])
+                                 dict(num_experts=0), dict(window=0), dict(tolerance=-0.1),
+                                 dict(tolerance=1.5), dict(tolerance="0.1"), dict(tolerance=True)])
 def test_config_errors(bad):
     kw = dict(num_ranks=8, num_experts=8, ranks_per_node=4, slots=1) | bad
     with pytest.raises(PlannerError):
@@ -224,3 +225,48 @@ def test_plan_hash_identical_across_processes():
     runs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                            env={"PYTHONHASHSEED": str(seed), "PATH": ""}).stdout for seed in (1, 2)]
     assert runs[0] == runs[1] and len(runs[0].splitlines()) == len(POLICIES)
+
+
+def _stock_max_over_mean(load_E, D):
+    """Reference: max/mean tokens per rank with every expert on its stock owner (E % D == 0)."""
+    per_rank = np.asarray(load_E).reshape(D, -1).sum(axis=1)
+    return per_rank.max() * D / per_rank.sum() if per_rank.sum() else 1.0
+
+
+@pytest.mark.parametrize("policy", ["ultraep", "lp", "eplb"])
+@SETTINGS
+@given(prob=problems(need_divisible=True), tol=st.sampled_from([0.02, 0.1, 0.3]))
+def test_tolerance_is_a_trigger(policy, prob, tol):
+    """Within 1 + tolerance of the mean the stock layout stays (no weights move); beyond it the plan
+    is exactly the one without tolerance."""
+    cfg0, counts = prob
+    if cfg0.slots == 0:
+        cfg0 = PlannerConfig(cfg0.num_ranks, cfg0.num_experts, cfg0.ranks_per_node, 1)
+    cfg = PlannerConfig(cfg0.num_ranks, cfg0.num_experts, cfg0.ranks_per_node, cfg0.slots, tolerance=tol)
+    planner, exact = make_planner(policy, cfg), make_planner(policy, cfg0)
+    plan, _ = planner.plan(counts, planner.initial_state())
+    check_plan(plan, cfg, counts)
+    before = _stock_max_over_mean(counts.sum(axis=0), cfg.num_ranks)
+    if before <= 1 + tol:
+        assert plan.weight_moves == 0
+        assert plan.max_over_mean == pytest.approx(before)
+    else:
+        assert plan.digest() == exact.plan(counts, exact.initial_state())[0].digest()
+
+
+def test_eplb_tolerance_judges_the_history():
+    """eplb's trigger looks at the window's history, not the current step alone."""
+    D, E = 4, 8
+    cfg = PlannerConfig(D, E, 4, 1, window=3, interval=1, tolerance=0.05)
+    planner = make_planner("eplb", cfg)
+    state = planner.initial_state()
+    balanced = np.full((D, E), 10, dtype=np.int64)
+    hot = balanced.copy()
+    hot[:, 0] = 200  # expert 0 (rank 0) hot: stock max/mean ~ 3.4
+    for counts in (balanced, balanced, hot):
+        plan, state = planner.plan(counts, state)
+    # history (2 balanced + 1 hot step) is far beyond 5 % above the mean: replicas of expert 0
+    assert plan.weight_moves > 0 and 0 in plan.placement.replica_expert_R[plan.placement.is_moved_R]
+    for _ in range(3):  # the hot step leaves the window
+        plan, state = planner.plan(balanced, state)
+    assert plan.placement.num_replicas == E and plan.weight_moves == 0

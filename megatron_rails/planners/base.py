@@ -31,6 +31,10 @@ class PlannerConfig:
                     the same memory budget.
     window, interval: eplb's moving-average window and re-planning period, in steps.
     placement:      lp only: the placement it schedules tokens on (static, eplb, ultraep, fsep).
+    tolerance:      owner-layout policies (ultraep, eplb, lp on those) keep the stock layout, moving
+                    no weights, while the stock max/mean tokens per rank is at most 1 + tolerance;
+                    above it they balance as far as the slots allow (a trigger, not a target).
+                    0: balance whenever any rank is above the mean. fsep always materializes.
     """
 
     num_ranks: int
@@ -40,8 +44,12 @@ class PlannerConfig:
     window: int = 10
     interval: int = 10
     placement: str = "ultraep"
+    tolerance: float = 0.0
 
     def __post_init__(self):
+        t = self.tolerance
+        if isinstance(t, bool) or not isinstance(t, (int, float, np.integer, np.floating)) or not 0 <= t <= 1:
+            raise PlannerError(f"tolerance must be a number in [0, 1], got {t!r}")
         for name in ("num_ranks", "num_experts", "window", "interval"):
             v = getattr(self, name)
             if not isinstance(v, (int, np.integer)) or v < 1:
@@ -93,6 +101,11 @@ class PlannerBase:
 
     def counts(self, counts_DE) -> np.ndarray:
         return check_counts(counts_DE, self.cfg.num_ranks, self.cfg.num_experts)
+
+    def tolerated(self, max_load: int, total: int) -> bool:
+        """Whether a stock layout whose busiest rank computes max_load of `total` tokens is within
+        the configured tolerance (max/mean <= 1 + tolerance): then no weights move."""
+        return max_load * self.cfg.num_ranks <= (1.0 + self.cfg.tolerance) * total
 
     def plan(self, counts_DE, state=None):  # pragma: no cover - interface
         raise NotImplementedError

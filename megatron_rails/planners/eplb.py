@@ -4,7 +4,8 @@ Every `interval` steps the planner re-plans from the moving sum of expert loads 
 `window` steps (the current step included): the D*R redundant slots are granted greedily to the
 experts with the largest load per replica, and the replicas are packed LPT-style onto the ranks'
 redundant slots. Between re-plans the placement is kept; each step's tokens are split evenly over
-the replicas of their expert, same-node replicas first.
+the replicas of their expert, same-node replicas first. A history whose stock layout is within the
+tolerance (PlannerConfig) gets no replicas.
 """
 from __future__ import annotations
 
@@ -52,8 +53,11 @@ class EplbPlanner(PlannerBase):
         """Owner layout plus the redundant replicas that best balance the historical loads hist_E."""
         cfg = self.cfg
         D, E, R = cfg.num_ranks, cfg.num_experts, cfg.slots
-        n_E = replica_counts(hist_E, E + D * R, np.ones(E, dtype=np.int64), D)
         owner = owner_of_experts(E, D)
+        stock_D = np.bincount(owner, weights=hist_E, minlength=D)
+        if cfg.tolerance and self.tolerated(int(stock_D.max()), int(hist_E.sum())):
+            return Placement.owner_from_pairs(E, D, cfg.ranks_per_node, R, (), ())  # balanced enough: no replicas
+        n_E = replica_counts(hist_E, E + D * R, np.ones(E, dtype=np.int64), D)
         per_rep = hist_E // n_E  # expected tokens per replica
         hosted = np.zeros((D, E), dtype=bool)
         hosted[owner, np.arange(E)] = True

@@ -43,9 +43,10 @@ class UltraEPPlanner(PlannerBase):
         load_E = counts.sum(axis=0)
         base_D = blocks.rank_loads(load_E)
         base = base_D.tolist()
-        lo, hi = -(-sum(base) // D), max(base)
+        total = sum(base)
+        lo, hi = -(-total // D), max(base)
         got, threshold, how = None, hi, "stock"
-        if hi > lo and cfg.slots > 0:
+        if hi > lo and cfg.slots > 0 and not (cfg.tolerance and self.tolerated(hi, total)):
             hot_D, hot_e_D = blocks.hottest(load_E, base_D)
             owned_desc = blocks.owned_desc(load_E)
             # visit nodes in turn only where the order cannot break the cascade (one expert per
