@@ -24,7 +24,8 @@ POLICY_DOCS = {
     "comm": "direct \\| rails: token all-to-all backend (rails: RailS multi-phase over rail groups)",
     "tolerance": "owner-layout policies (ultraep, eplb, lp on those) move no weights while the stock max/mean tokens "
                  "per rank is at most 1 + tolerance; above it they balance fully (a trigger, not a target). fsep "
-                 "always materializes",
+                 "materializes one replica per loaded expert where that keeps max/mean within 1 + tolerance, "
+                 "else every slot",
     "check_plan": "validate the plan and all-reduce its digest every layer; raise on every rank on a mismatch (debug)",
 }
 TOPOLOGY_DOCS = {

@@ -270,3 +270,26 @@ def test_eplb_tolerance_judges_the_history():
     for _ in range(3):  # the hot step leaves the window
         plan, state = planner.plan(balanced, state)
     assert plan.placement.num_replicas == E and plan.weight_moves == 0
+
+
+@SETTINGS
+@given(prob=problems(), tol=st.sampled_from([0.02, 0.1, 0.3]))
+def test_fsep_tolerance_uses_one_replica_per_expert_when_enough(prob, tol):
+    cfg0, counts = prob
+    cfg = PlannerConfig(cfg0.num_ranks, cfg0.num_experts, cfg0.ranks_per_node, cfg0.slots, tolerance=tol)
+    try:
+        plan, _ = make_planner("fsep", cfg).plan(counts)
+    except PlannerError:  # more loaded experts than slots: the same error without tolerance
+        with pytest.raises(PlannerError):
+            make_planner("fsep", cfg0).plan(counts)
+        return
+    check_plan(plan, cfg, counts)
+    loaded = int((counts.sum(axis=0) > 0).sum())
+    load_D = np.zeros(cfg.num_ranks)
+    np.add.at(load_D, plan.placement.replica_rank_R, plan.quota_R)
+    exact = make_planner("fsep", cfg0).plan(counts)[0]
+    if plan.digest() != exact.digest():  # the lean plan: one replica per loaded expert, within the tolerance
+        assert plan.placement.num_replicas == loaded
+        assert np.array_equal(np.sort(plan.placement.replica_expert_R), np.flatnonzero(counts.sum(axis=0) > 0))
+        assert load_D.max() * cfg.num_ranks <= (1 + tol) * load_D.sum() + 1e-9
+        assert plan.weight_moves <= exact.weight_moves

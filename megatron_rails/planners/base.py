@@ -34,7 +34,8 @@ class PlannerConfig:
     tolerance:      owner-layout policies (ultraep, eplb, lp on those) keep the stock layout, moving
                     no weights, while the stock max/mean tokens per rank is at most 1 + tolerance;
                     above it they balance as far as the slots allow (a trigger, not a target).
-                    0: balance whenever any rank is above the mean. fsep always materializes.
+                    fsep uses one replica per loaded expert if that keeps max/mean within
+                    1 + tolerance, else all its slots. 0: balance whenever any rank is above the mean.
     """
 
     num_ranks: int

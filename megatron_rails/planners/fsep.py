@@ -2,6 +2,9 @@
 all ranks, and each step every rank materializes C = ceil(E/D) + R expert slots chosen from the
 current counts. Replica counts follow load (water-filling), replicas are packed LPT-style, and each
 expert's tokens are split evenly over its replicas, same-node replicas first.
+
+With a tolerance (PlannerConfig), one replica per loaded expert is tried first: if that plan keeps
+max/mean tokens per rank within 1 + tolerance it is used, and fewer weights move; else every slot.
 """
 from __future__ import annotations
 
@@ -29,8 +32,18 @@ class FsepPlanner(PlannerBase):
             raise PlannerError(f"fsep: {int(loaded.sum())} experts receive tokens but the {D} ranks have only "
                                f"{D}x{C} = {D * C} slots; raise slots (R) to at least "
                                f"{-(-int(loaded.sum()) // D) - cfg.owner_slots}")
+        if cfg.tolerance:
+            lean = self._plan(counts, load_E, loaded.astype(np.int64))  # every loaded expert once
+            if lean.max_over_mean <= 1.0 + cfg.tolerance:
+                return lean, None
         n_E = replica_counts(load_E, D * C, loaded.astype(np.int64), D)
         n_E[~loaded] = 0
+        return self._plan(counts, load_E, n_E), None
+
+    def _plan(self, counts: np.ndarray, load_E: np.ndarray, n_E: np.ndarray) -> Plan:
+        """The plan with n_E replicas of every expert, LPT-placed."""
+        cfg = self.cfg
+        D, E, C = cfg.num_ranks, cfg.num_experts, cfg.total_slots
         item_e = np.repeat(np.arange(E, dtype=np.int64), n_E)
         item_load = even_quotas(load_E, np.r_[0, np.cumsum(n_E)])
         order = np.lexsort((item_e, -item_load))  # heaviest first, ties to the lower expert id
@@ -50,4 +63,5 @@ class FsepPlanner(PlannerBase):
         placement = Placement(slot_DS, E, cfg.ranks_per_node, SHARDED, 0)
         quota = even_quotas(load_E, placement.expert_ptr)
         return Plan.from_quotas(placement, counts, quota, policy=self.name,
-                                info={"slots_per_rank": C, "unplaced_replicas": int((~placed).sum())}), None
+                                info={"slots_per_rank": C, "unplaced_replicas": int((~placed).sum()),
+                                      "replicas": int(placed.sum())})
