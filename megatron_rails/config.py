@@ -34,8 +34,8 @@ class PolicyConfig:
     """policy: none | eplb | fsep | ultraep | lp.  slots: R (see PlannerConfig).  ranks_per_node: G
     (0 = all EP ranks on one node; also the node size of RailS's node and rail groups).  comm: direct |
     rails.  tolerance: owner-layout policies move no weights while the stock max/mean tokens per
-    rank is within 1 + tolerance (PlannerConfig).  check_plan: validate the plan and all-reduce its digest every layer, raise on every rank
-    on any invalid or differing plan (debug mode)."""
+    rank is within 1 + tolerance (PlannerConfig).  check_plan: validate the plan and all-reduce its
+    digest every layer, raise on every rank on any invalid or differing plan (debug mode)."""
 
     policy: str = "fsep"
     slots: int = 1

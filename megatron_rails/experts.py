@@ -19,6 +19,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from .megatron.compat import wait_param_gather
 from .megatron.expert_kinds import ExpertKind, expert_kind
 from .plan import Plan, owner_of_experts
 
@@ -93,6 +94,9 @@ class ExpertStore:
         exchanged weights). The caller must keep the buffer in the autograd graph even when it is
         empty, so that every rank joins the reverse exchange in backward.
         """
+        # the owners' weights as the optimizer left them; on every call, so that data-parallel
+        # replicas (whose plans differ) wait for the same all-gathers at the same point
+        wait_param_gather(self.experts)
         p = plan.placement
         active = np.flatnonzero(p.is_moved_R & (plan.quota_R > 0))
         if active.size == 0:
@@ -234,6 +238,7 @@ class ShardedExpertStore(ExpertStore):
     def fetch(self, plan: Plan, exchange):
         """Materialize this rank's active slots from every rank's shards (see ExpertStore.fetch)."""
         p = plan.placement
+        wait_param_gather(self.experts)  # the shards as the optimizer left them (see ExpertStore.fetch)
         active = np.flatnonzero(plan.quota_R > 0)
         if active.size == 0:
             return {}, None

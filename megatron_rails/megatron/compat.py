@@ -10,6 +10,9 @@
   `moe_logging.get_moe_metrics_tracker()` with `.record()` / `.report()` (the old names are
   deprecated wrappers). Both average over data-parallel ranks only on request (0.16: `avg_group`,
   0.19: `needs_dp_avg`).
+* lazy parameter all-gather (DDP with the distributed optimizer and overlap_param_gather): in both,
+  `DistributedDataParallel._make_forward_pre_hook` makes the per-module pre-hook that waits for the
+  module's own parameters (`wait_param_gather`).
 """
 from __future__ import annotations
 
@@ -208,3 +211,22 @@ def add_to_moe_report(names) -> None:
         if getattr(module, "__name__", "").startswith("megatron.") and \
                 getattr(module, "track_moe_metrics", None) is original:
             module.track_moe_metrics = wrapped
+
+
+_DDP_PARAM_HOOK = "DistributedDataParallel._make_forward_pre_hook.<locals>."
+
+
+def wait_param_gather(module) -> None:
+    """Complete Megatron DDP's pending parameter all-gathers for every parameter under `module`.
+
+    With the distributed optimizer and overlap_param_gather, updated parameters are all-gathered
+    lazily: a forward pre-hook on each submodule waits for that module's own parameters just before
+    it runs. The expert stores read expert weights in the dispatcher, before the experts' forward,
+    so they run those hooks first. Only DDP's hooks are run (they are idempotent: a bucket already
+    gathered is a no-op); any other pre-hook waits for the module's real forward."""
+    for m in module.modules():
+        hooks = m._forward_pre_hooks
+        if hooks:
+            for hook in list(hooks.values()):
+                if getattr(hook, "__qualname__", "").startswith(_DDP_PARAM_HOOK):
+                    hook(m, ())

@@ -32,8 +32,9 @@ class FsepPlanner(PlannerBase):
             raise PlannerError(f"fsep: {int(loaded.sum())} experts receive tokens but the {D} ranks have only "
                                f"{D}x{C} = {D * C} slots; raise slots (R) to at least "
                                f"{-(-int(loaded.sum()) // D) - cfg.owner_slots}")
-        if cfg.tolerance:
-            lean = self._plan(counts, load_E, loaded.astype(np.int64))  # every loaded expert once
+        # every loaded expert once, unless one expert alone already exceeds the tolerance
+        if cfg.tolerance and int(load_E.max(initial=0)) * D <= (1.0 + cfg.tolerance) * int(load_E.sum()):
+            lean = self._plan(counts, load_E, loaded.astype(np.int64))
             if lean.max_over_mean <= 1.0 + cfg.tolerance:
                 return lean, None
         n_E = replica_counts(load_E, D * C, loaded.astype(np.int64), D)
