@@ -68,10 +68,11 @@ class PolicyConfig:
                                 or (self.policy == "lp" and self.placement != "fsep")):
             raise ConfigError(f"slots: {self.policy} balances through redundant replica slots and needs slots >= 1 "
                               f"(0 leaves it stock expert parallelism; use policy none for that)")
-        t = self.tolerance
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 <= t <= 1:
+        from .planners.base import valid_tolerance
+
+        if not valid_tolerance(self.tolerance):
             raise ConfigError(f"tolerance: expected a number in [0, 1] (max/mean tokens per rank - 1 that owner-layout "
-                              f"policies leave as is), got {t!r}")
+                              f"policies leave as is), got {self.tolerance!r}")
         if not isinstance(self.check_plan, bool):
             raise ConfigError(f"check_plan: expected true or false, got {self.check_plan!r}")
 

@@ -18,6 +18,11 @@ class PlannerError(PlanError):
     """A planner cannot serve this configuration or input."""
 
 
+def valid_tolerance(t) -> bool:
+    """A tolerance is a number (not a bool) in [0, 1]."""
+    return not isinstance(t, bool) and isinstance(t, (int, float, np.integer, np.floating)) and 0 <= t <= 1
+
+
 @dataclass(frozen=True)
 class PlannerConfig:
     """What every planner needs to know about the expert-parallel group.
@@ -48,9 +53,8 @@ class PlannerConfig:
     tolerance: float = 0.0
 
     def __post_init__(self):
-        t = self.tolerance
-        if isinstance(t, bool) or not isinstance(t, (int, float, np.integer, np.floating)) or not 0 <= t <= 1:
-            raise PlannerError(f"tolerance must be a number in [0, 1], got {t!r}")
+        if not valid_tolerance(self.tolerance):
+            raise PlannerError(f"tolerance must be a number in [0, 1], got {self.tolerance!r}")
         for name in ("num_ranks", "num_experts", "window", "interval"):
             v = getattr(self, name)
             if not isinstance(v, (int, np.integer)) or v < 1:

@@ -33,9 +33,10 @@ class FsepPlanner(PlannerBase):
                                f"{D}x{C} = {D * C} slots; raise slots (R) to at least "
                                f"{-(-int(loaded.sum()) // D) - cfg.owner_slots}")
         # every loaded expert once, unless one expert alone already exceeds the tolerance
-        if cfg.tolerance and int(load_E.max(initial=0)) * D <= (1.0 + cfg.tolerance) * int(load_E.sum()):
+        total = int(load_E.sum())
+        if cfg.tolerance and self.tolerated(int(load_E.max(initial=0)), total):
             lean = self._plan(counts, load_E, loaded.astype(np.int64))
-            if lean.max_over_mean <= 1.0 + cfg.tolerance:
+            if self.tolerated(int(lean.load_D.max(initial=0)), total):
                 return lean, None
         n_E = replica_counts(load_E, D * C, loaded.astype(np.int64), D)
         n_E[~loaded] = 0
