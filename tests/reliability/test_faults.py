@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 TIMEOUT_S = 20  # the run's process-group timeout (train_demo --timeout-s)
+MONITOR_S = 5  # torchrun's worker-monitor interval
 
 
 def _survivors(marker: str) -> list[str]:
@@ -36,7 +37,10 @@ def _survivors(marker: str) -> list[str]:
 def _run_with_fault(tmp_path, fault: str, policy_args: list[str]):
     marker = f"faultrun-{uuid.uuid4().hex[:8]}"
     out = tmp_path / f"{marker}.json"
+    # torchrun SIGTERMs the surviving workers as soon as it sees one fail; give them a few seconds to
+    # notice the dead peer themselves, so the test sees their own error and not only torchrun's signal
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+           "--monitor-interval", str(MONITOR_S),
            "-m", "megatron_rails.train_demo", *policy_args, "--steps", "6", "--timeout-s", str(TIMEOUT_S),
            "--out", str(out)]
     env = dict(os.environ, MEGATRON_RAILS_FAULT=fault, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
