@@ -15,6 +15,7 @@ from itertools import product
 import numpy as np
 
 from .planners import POLICIES, PlannerConfig, PlannerError
+from .planners.ultraep import _compiled
 from .planning_report import BoundCache, measure, pin_one_core
 
 FULL_GRID = dict(ranks=[8, 32, 64, 256, 1024], experts=[8, 64, 256], slots=[1, 2],
@@ -73,6 +74,7 @@ def bench_planners(out: str, quick: bool = False, plot: str | None = None, lp_in
     meta = {"command": "megatron-rails bench planners" + (" --quick" if quick else ""),
             "python": sys.version.split()[0], "machine": platform.machine(), "cpu_pinned": 1,
             "tokens_per_rank": TOKENS_PER_RANK, "topk": TOPK, "ranks_per_node": RANKS_PER_NODE,
+            "ultraep_kernel": "compiled" if _compiled() is not None else "python",
             "started": time.strftime("%Y-%m-%dT%H:%M:%S")}
     result = {"meta": meta, "rows": rows}
 

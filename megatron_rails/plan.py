@@ -32,7 +32,7 @@ class PlanError(ValueError):
 
 def _frozen_i64(a, name: str, ndim: int) -> np.ndarray:
     if isinstance(a, np.ndarray) and a.dtype == np.int64 and a.ndim == ndim and not a.flags.writeable \
-            and a.base is None:
+            and a.base is None and a.flags.c_contiguous:
         return a  # already a frozen int64 copy (built by this module or a planner)
     arr = np.asarray(a)
     if arr.ndim != ndim:
@@ -40,19 +40,21 @@ def _frozen_i64(a, name: str, ndim: int) -> np.ndarray:
     if arr.dtype.kind not in "iu" and arr.size:  # kinds i, u are exactly np.integer
         if not np.all(np.isfinite(arr)) or np.any(arr != np.round(arr)):
             raise PlanError(f"{name} must hold integers, got dtype {arr.dtype}")
-    arr = np.array(arr, dtype=np.int64, copy=True)
+    arr = np.array(arr, dtype=np.int64, copy=True, order="C")
     arr.flags.writeable = False
     return arr
 
 
-def check_counts(counts_DE, num_ranks: int | None = None, num_experts: int | None = None) -> np.ndarray:
-    """Validate a token-count matrix: int64 [D, E], non-negative. Returns a read-only int64 copy."""
+def check_counts(counts_DE, num_ranks: int | None = None, num_experts: int | None = None,
+                 nonnegative: bool = True) -> np.ndarray:
+    """Validate a token-count matrix: int64 [D, E], non-negative (unless the caller checks the sign
+    itself: nonnegative=False). Returns a read-only int64 copy."""
     counts = _frozen_i64(counts_DE, "counts_DE", 2)  # no copy if already frozen (planners pass theirs on)
     if num_ranks is not None and counts.shape[0] != num_ranks:
         raise PlanError(f"counts_DE has {counts.shape[0]} rows, expected one per rank ({num_ranks})")
     if num_experts is not None and counts.shape[1] != num_experts:
         raise PlanError(f"counts_DE has {counts.shape[1]} columns, expected one per expert ({num_experts})")
-    if counts.size and counts.min() < 0:
+    if nonnegative and counts.size and counts.min() < 0:
         d, e = np.argwhere(counts < 0)[0]
         raise PlanError(f"counts_DE[{d}, {e}] = {counts[d, e]} is negative")
     return counts

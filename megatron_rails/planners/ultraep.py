@@ -10,16 +10,37 @@ cascade at T = ceil(mean) is tried first (a plain loop, or numpy from _VECTORIZE
 is optimal whenever every rank owns at most one expert (E <= D) and usually succeeds otherwise.
 If it cannot split some carry at taker cuts, the cascade and the sequential chain greedy are
 searched over T (gallop, then bisect to within 1/1024 of the mean).
+
+The cascade path at T = ceil(mean), from counts to the finished plan, also exists compiled
+(`_ultraep_c.c`, built at install where a C compiler is available): it gives bit-identical plans and
+is used when present; MEGATRON_RAILS_PURE_PYTHON=1 turns it off. Stock plans, the threshold search
+and every error message stay here.
 """
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
-from ..plan import OWNER, Placement, Plan, _owner_template
+from ..plan import OWNER, Placement, Plan, _owner_template, check_counts
 from .base import PlannerBase
 from .cascade import OwnerBlocks, cascade, cascade_np, chain_greedy, search_threshold
 
 _VECTORIZE_FROM = 256  # ranks from which numpy's fixed call overhead beats the plain loop
+
+
+def _compiled():
+    """The compiled cascade (`_ultraep_c.cascade_plan`), or None where it is not built or turned off."""
+    if os.environ.get("MEGATRON_RAILS_PURE_PYTHON", "") not in ("", "0"):
+        return None
+    try:
+        from ._ultraep_c import cascade_plan
+    except ImportError:
+        return None
+    return cascade_plan
+
+
+_STOCK, _CASCADE, _GAVE_UP = 0, 1, 2  # cascade_plan's codes (-1: a negative count)
 
 
 class UltraEPPlanner(PlannerBase):
@@ -35,12 +56,45 @@ class UltraEPPlanner(PlannerBase):
         # the owner replicas' table, a row (expert, rank, slot, quota) per owner: quotas set per plan
         self._owner_rows = np.ascontiguousarray(np.stack((expert_E, owner_E, slot_E, expert_E)).T)
         self._L = self._blocks.idx_DL.shape[1]
+        self._kernel = _compiled()
+        self._tol_limit = 1.0 + cfg.tolerance if cfg.tolerance else 0.0
+
+    @property
+    def compiled(self) -> bool:
+        """Whether plans come from the compiled cascade (else pure Python; the plans are identical)."""
+        return self._kernel is not None
 
     def plan(self, counts_DE, state=None):
-        counts = self.counts(counts_DE)
+        if self._kernel is None:
+            return self._plan(self.counts(counts_DE)), None
+        cfg = self.cfg
+        D, E = cfg.num_ranks, cfg.num_experts
+        counts = check_counts(counts_DE, D, E, nonnegative=False)  # the kernel checks the sign
+        load_E = np.empty(E, dtype=np.int64)
+        se = np.empty((D, self._L + cfg.slots), dtype=np.int64)
+        table = np.empty((4, E + D), dtype=np.int64)
+        info = np.empty(4, dtype=np.int64)
+        code = self._kernel(counts, D, E, cfg.ranks_per_node, cfg.slots, self._tol_limit, load_E, se, table, info)
+        if code < 0:
+            check_counts(counts, D, E)  # raises, naming the negative entry
+        if code != _CASCADE:  # stock plans and the threshold search: Python
+            load_E.flags.writeable = False
+            return self._plan(counts, load_E), None
+        lo, X = int(info[0]), int(info[2])
+        se.flags.writeable = False
+        table.flags.writeable = False
+        table = table[:, :E + X]
+        p = Placement.trusted(se, E, cfg.ranks_per_node, OWNER, self._L)
+        p.__dict__["_replicas"] = (table[0], table[1], table[2])
+        info = {"threshold": lo, "mean_bound": lo, "exports": X, "method": "cascade"}
+        return Plan.trusted(p, counts, table[3], policy=self.name, info=info), None
+
+    def _plan(self, counts: np.ndarray, load_E: np.ndarray | None = None) -> Plan:
+        """The planner in Python (checked counts; load_E their column sums, if known)."""
         cfg = self.cfg
         D, blocks = cfg.num_ranks, self._blocks
-        load_E = counts.sum(axis=0)
+        if load_E is None:
+            load_E = counts.sum(axis=0)
         base_D = blocks.rank_loads(load_E)
         base = base_D.tolist()
         total = sum(base)
@@ -72,8 +126,8 @@ class UltraEPPlanner(PlannerBase):
         placement, quota, n = self._build(load_E, got, how)
         info = {"threshold": threshold, "mean_bound": lo, "exports": n, "method": how}
         if how == "cascade":  # owners + one export per rank, quotas summing to the loads by construction
-            return Plan.trusted(placement, counts, quota, policy=self.name, info=info), None
-        return Plan.from_quotas(placement, counts, quota, policy=self.name, info=info), None
+            return Plan.trusted(placement, counts, quota, policy=self.name, info=info)
+        return Plan.from_quotas(placement, counts, quota, policy=self.name, info=info)
 
     def _build(self, load_E: np.ndarray, got, how: str):
         """Placement, quotas and number of exports. got: per-rank lists (expert_D, tokens_D) from
