@@ -107,7 +107,8 @@ def _worker(rank, world, port, reps, out):
                          "max_over_mean_after": float(np.mean([r["max_over_mean_after"] for r in m])),
                          "plan_us_p50": float(np.median([r["plan_us"] for r in m])),
                          "token_bytes_per_layer": float(np.mean([r["token_bytes_sent"] for r in m])),
-                         "weight_bytes_per_layer": float(np.mean([r["weight_bytes_sent"] for r in m]))})
+                         "weight_bytes_per_layer": float(np.mean([r["weight_bytes_sent"] for r in m])),
+                         "rails_sprayed_frac": float(np.mean([r["rails_sprayed"] for r in m]))})
             if rank == 0:
                 r = rows[-1]
                 print(f"  {skew:9s} {policy:8s} {r['ms_p50']:7.1f} ms  max/mean {r['max_over_mean_before']:.3f}"

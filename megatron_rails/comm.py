@@ -89,6 +89,9 @@ class DirectAllToAll:
         traffic_DD (the full [D, D] send matrix) is accepted for a uniform interface and unused."""
         return all_to_all(x, recv_D, send_D, self.group)
 
+    def sprays(self, traffic_DD) -> bool:
+        return False
+
 
 def make_comm(pcfg, group):
     """The communication backend a policy config asks for, on the EP process group."""
@@ -103,4 +106,5 @@ def make_comm(pcfg, group):
         from .config import ConfigError
 
         raise ConfigError(f"comm: rails needs ranks_per_node ({G}) to divide the expert-parallel size ({D})")
-    return RailsAllToAll(group, Topology(name="ep-group", gpus_per_node=G, rails_per_node=G))
+    return RailsAllToAll(group, Topology(name="ep-group", gpus_per_node=G, rails_per_node=G),
+                         tolerance=float(pcfg.rails_tolerance))

@@ -34,7 +34,9 @@ class PolicyConfig:
     """policy: none | eplb | fsep | ultraep | lp.  slots: R (see PlannerConfig).  ranks_per_node: G
     (0 = all EP ranks on one node; also the node size of RailS's node and rail groups).  comm: direct |
     rails.  tolerance: owner-layout policies move no weights while the stock max/mean tokens per
-    rank is within 1 + tolerance (PlannerConfig).  check_plan: validate the plan and all-reduce its
+    rank is within 1 + tolerance (PlannerConfig).  rails_tolerance: comm rails sprays an exchange
+    over all rails only when the rail-matched direct all-to-all would load its busiest rail more
+    than 1 + rails_tolerance times the even spread; otherwise it sends it direct.  check_plan: validate the plan and all-reduce its
     digest every layer, raise on every rank on any invalid or differing plan (debug mode)."""
 
     policy: str = "fsep"
@@ -46,6 +48,7 @@ class PolicyConfig:
     comm: str = "direct"
     check_plan: bool = False
     tolerance: float = 0.05
+    rails_tolerance: float = 0.05
 
     def __post_init__(self):
         from .planners import POLICIES
@@ -73,6 +76,9 @@ class PolicyConfig:
         if not valid_tolerance(self.tolerance):
             raise ConfigError(f"tolerance: expected a number in [0, 1] (max/mean tokens per rank - 1 that owner-layout "
                               f"policies leave as is), got {self.tolerance!r}")
+        if not valid_tolerance(self.rails_tolerance):
+            raise ConfigError(f"rails_tolerance: expected a number in [0, 1] (busiest rail over the even spread - 1 "
+                              f"that comm rails sends direct instead of spraying), got {self.rails_tolerance!r}")
         if not isinstance(self.check_plan, bool):
             raise ConfigError(f"check_plan: expected true or false, got {self.check_plan!r}")
 

@@ -26,6 +26,9 @@ POLICY_DOCS = {
                  "per rank is at most 1 + tolerance; above it they balance fully (a trigger, not a target). fsep "
                  "materializes one replica per loaded expert where that keeps max/mean within 1 + tolerance, "
                  "else every slot",
+    "rails_tolerance": "comm rails: spray an exchange over all rails only when the rail-matched direct all-to-all "
+                       "would load its busiest rail more than 1 + rails_tolerance times the even spread; else "
+                       "send it direct (one all-to-all instead of three phases)",
     "check_plan": "validate the plan and all-reduce its digest every layer; raise on every rank on a mismatch (debug)",
 }
 TOPOLOGY_DOCS = {

@@ -231,5 +231,6 @@ class RailsTokenDispatcher(MoETokenDispatcher):
             "plan_us": plan_us,
             "count_gather_us": gather_us,
             "layout": "sharded" if plan.placement.layout == SHARDED else "owner",
+            "rails_sprayed": self.comm.sprays(send),  # the token exchange goes over RailS's three phases
         })
         rails_metrics.record_step(self._layer() if self._layer else None, self.metrics[-1], x_TH.device)

@@ -28,6 +28,8 @@ def test_default_is_fsep():
     ("policy: fsep\ncheck_plan: 3\n", "check_plan"),
     ("policy: ultraep\ntolerance: -0.01\n", "tolerance: expected a number in"),
     ("policy: ultraep\ntolerance: lots\n", "tolerance: expected a number in"),
+    ("policy: fsep\ncomm: rails\nrails_tolerance: 2\n", "rails_tolerance: expected a number in"),
+    ("policy: fsep\ncomm: rails\nrails_tolerance: true\n", "rails_tolerance: expected a number in"),
     ("- just\n- a list\n", "mapping"),
 ])
 def test_bad_configs_name_file_and_key(tmp_path, text, match):

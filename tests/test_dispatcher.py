@@ -39,7 +39,8 @@ def _worker(rank, world, policies, routings, seed, comm="direct"):
     base_router = stock.router.weight.detach().clone()
     for policy in policies:
         megatron_rails.install({"policy": policy, "slots": 2, "ranks_per_node": 2, "interval": 3,
-                                "window": 2, "check_plan": True, "comm": comm})
+                                "window": 2, "check_plan": True, "comm": comm,
+                                "rails_tolerance": 0.0})  # rails: spray whenever a rail is above even
         rails = build_moe_layer(moe_config(world, "alltoall", experts=E, hidden=H))
         megatron_rails.uninstall()
         assert type(rails.token_dispatcher).__name__ == "RailsTokenDispatcher"
@@ -85,6 +86,11 @@ def _worker(rank, world, policies, routings, seed, comm="direct"):
             assert np.all(after[one] < before[one]), (policy, before[one], after[one])
         if policy == "none":
             np.testing.assert_allclose(after, before)
+        sprayed = [m["rails_sprayed"] for m in metrics]
+        if comm == "rails":  # the parity above covered the sprayed three-phase exchange
+            assert any(sprayed), f"policy {policy}: no token exchange was sprayed over the rails"
+        else:
+            assert not any(sprayed)
 
 # routings per policy for each world size: 110 + 90 + 4 = 204 per policy in total. CI runs the
 # second Megatron-Core version with MEGATRON_RAILS_TEST_SCALE=0.25.

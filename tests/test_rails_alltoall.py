@@ -3,6 +3,9 @@
 Virtual topologies 2 nodes x 2 GPUs, 4 x 1, 2 x 4, 4 x 2, and 2 x 4 with 2 rails (two GPUs per NIC): random uneven traffic, including empty rows/columns and all traffic
 to one rank. Checks: delivered rows bit-identical, gradients (through the reverse schedule)
 identical to the direct exchange's, and bytes each rank put on each rail equal to the schedule's.
+Each exchange sprays or goes direct by the rails' imbalance under the rail-matched direct
+all-to-all, recomputed here from the simulator's direct schedule; both paths are exercised, at
+tolerance 0 and 0.25.
 """
 from __future__ import annotations
 
@@ -28,6 +31,12 @@ def _traffic(rng, D, case):
         return T
     if case == 3:
         return np.zeros((D, D), dtype=np.int64)
+    if case == 5:  # even: every rail equally loaded, nothing to gain from spraying
+        return np.full((D, D), 6, dtype=np.int64)
+    if case == 6:  # near-even: a little above the even spread on one rail
+        T = np.full((D, D), 20, dtype=np.int64)
+        T[:, rng.integers(D)] += 2
+        return T
     T = np.zeros((D, D), dtype=np.int64)  # everything to one rank
     T[:, rng.integers(D)] = rng.integers(1, 30, D)
     return T
@@ -41,20 +50,33 @@ def _direct(x, send, recv):
 
 def _worker(rank, world, shapes, cases):
     for G, N in shapes:  # several virtual topologies over the same ranks, one spawn
-        _check_topology(rank, world, G, N, cases)
+        for tol in (0.0, 0.25):
+            _check_topology(rank, world, G, N, cases, tol)
 
 
-def _check_topology(rank, world, G, N, cases):
+def _sprays(T, topo, tol) -> bool:
+    """Reference: the direct schedule's busiest rail against the even spread over each node's rails."""
+    from megatron_rails.rails.sim import direct_schedule
+
+    d = direct_schedule(T, topo)
+    N = topo.rails_per_node
+    even = max(-(-int(d.rail_egress_PN.sum(axis=1).max()) // N), -(-int(d.rail_ingress_PN.sum(axis=1).max()) // N))
+    busiest = max(int(d.rail_egress_PN.max(initial=0)), int(d.rail_ingress_PN.max(initial=0)))
+    return busiest > (1 + tol) * even if busiest else False
+
+
+def _check_topology(rank, world, G, N, cases, tol):
     from megatron_rails.rails.alltoall import RailsAllToAll
     from megatron_rails.rails.schedule import rails_schedule
+    from megatron_rails.rails.sim import direct_schedule
     from megatron_rails.rails.topology import Topology
 
     topo = Topology(gpus_per_node=G, rails_per_node=N)
-    a2a = RailsAllToAll(dist.group.WORLD, topo)
+    a2a = RailsAllToAll(dist.group.WORLD, topo, tolerance=tol)
     rng = np.random.default_rng(1000 + world * 10 + G)  # same on every rank
     H = 3
     for case in range(cases):
-        T = _traffic(rng, world, case % 5).astype(np.int64)
+        T = _traffic(rng, world, case % 7).astype(np.int64)
         send, recv = T[rank], T[:, rank]
         torch.manual_seed(rank * 7919 + case)
         x = torch.randn(int(send.sum()), H, dtype=torch.float64, requires_grad=True)
@@ -67,15 +89,20 @@ def _check_topology(rank, world, G, N, cases):
         (y * w).sum().backward()
         g_ref = _direct(w, recv, send)  # d/dx of sum(a2a(x) * w) is the reverse exchange of w
         assert torch.equal(x.grad, g_ref), f"{where}: gradient differs from the reverse exchange"
-        # bytes on each rail: what every rank measured, summed, against the schedule
+        sprayed = _sprays(T, topo, tol) if world > G else False
+        assert a2a.last_sprayed == sprayed, f"{where}, tolerance {tol}: sprayed={a2a.last_sprayed}, expected {sprayed}"
+        # bytes on each rail: what every rank measured, summed, against the path's schedule
         sent = torch.from_numpy(a2a.rail_bytes_sent - before)
         dist.all_reduce(sent)
-        sch = rails_schedule(T, topo)
+        sch = (rails_schedule if sprayed else direct_schedule)(T, topo)
         expect = sch.rail_egress_PN.sum(axis=0) * H * 8
         assert np.array_equal(sent.numpy(), expect), f"{where}: rail bytes {sent.tolist()} != {expect.tolist()}"
+    if world > G and N > 1:  # both paths taken (one rail per node: spraying never gains, always direct)
+        assert a2a.sprayed and a2a.direct, f"{world // G} nodes x {G}, tolerance {tol}: " \
+                                           f"sprayed {a2a.sprayed}, direct {a2a.direct}"
 
 
 @pytest.mark.parametrize("world,shapes", [(4, [(2, 2), (1, 1)]), (8, [(4, 4), (2, 2), (4, 2)])],
                          ids=["4 ranks: 2x2, 4x1", "8 ranks: 2x4, 4x2, 2x4 with 2 rails"])
 def test_rails_alltoall_matches_direct(world, shapes):
-    spawn(_worker, world, shapes, 10, megatron=False)
+    spawn(_worker, world, shapes, 14, megatron=False)

@@ -5,6 +5,11 @@
     phase 2  rail group (the GPUs on one rail, across nodes): forwarder -> landing GPU
     phase 3  intra-node group of the receiver: landing GPU -> destination
 
+Spraying pays an extra hop and two extra collectives, so it is used only where it helps: when the
+rail-matched direct all-to-all would load its busiest rail at most 1 + `tolerance` times the even
+spread (`schedule.rail_imbalance`), the exchange is that one direct all-to-all. Every rank decides
+from the same traffic matrix, so all take the same path.
+
 Every rank derives the same `RailSchedule` from the full traffic matrix, so every rank knows which
 chunks each buffer holds and in which order; between phases a buffer is reordered by one
 `index_select`. All steps are differentiable and the backward runs the reverse schedule (the
@@ -24,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from ..comm import all_to_all, group_timeout
-from .schedule import RailSchedule, rails_schedule
+from .schedule import RailSchedule, rail_imbalance, rails_schedule
 from .topology import Topology
 
 _GROUPS: dict = {}  # (ep ranks, gpus_per_node, rails_per_node) -> (node groups, rail groups)
@@ -60,12 +65,17 @@ class RailsAllToAll:
     """`comm: rails`. Same interface as comm.DirectAllToAll; `traffic_DD` (the full send matrix,
     identical on every rank) avoids an all-gather of the splits when the caller already knows it.
 
-    `rail_bytes_sent` counts, per rail, the bytes this rank has put on the network (phase 2) —
-    measured from the tensors handed to the collective, for tests and metrics."""
+    tolerance: spray only when the rail-matched direct exchange's busiest rail exceeds the even
+    spread by more than this fraction (0: whenever any rail is above it).
+
+    `rail_bytes_sent` counts, per rail, the bytes this rank has put on the network (phase 2 when
+    sprayed; its inter-node rows, on their destinations' rails, when direct) — measured from the
+    tensors handed to the collective, for tests and metrics. `sprayed` and `direct` count the
+    exchanges that took each path; `last_sprayed` says which the latest one took."""
 
     name = "rails"
 
-    def __init__(self, group, topo: Topology, cache: int = 16):
+    def __init__(self, group, topo: Topology, cache: int = 16, tolerance: float = 0.0):
         self.group = group
         self.ep_ranks = tuple(dist.get_process_group_ranks(group))
         self.me = dist.get_rank(group)
@@ -74,8 +84,14 @@ class RailsAllToAll:
         self.node_group, self.rail_group = _subgroups(group, self.ep_ranks, self.topo)
         self._plans: OrderedDict = OrderedDict()
         self._cache = cache
+        self.tolerance = float(tolerance)
         self.rail_bytes_sent = np.zeros(self.topo.rails_per_node, dtype=np.int64)
-        self.last_schedule: Optional[RailSchedule] = None
+        self.last_schedule: Optional[RailSchedule] = None  # the latest sprayed exchange's
+        self.last_sprayed = False
+        self.sprayed = self.direct = 0
+        dst = np.arange(len(self.ep_ranks))
+        self._rail_of_dst = self.topo.rail_of(dst)
+        self._off_node = self.topo.node_of(dst) != self.topo.node_of(self.me)
 
     # -- the exchange ----------------------------------------------------------------------------
     def exchange(self, x: torch.Tensor, send_D: Sequence[int], recv_D: Sequence[int],
@@ -88,8 +104,15 @@ class RailsAllToAll:
         if not (np.array_equal(T[self.me], np.asarray(send_D)) and np.array_equal(T[:, self.me], np.asarray(recv_D))):
             raise ValueError("rails exchange: traffic_DD disagrees with this rank's send/recv splits")
         steps = self._steps(T)
-        self.last_schedule = steps["schedule"]
         row_bytes = x.element_size() * int(np.prod(x.shape[1:], dtype=np.int64))
+        self.last_sprayed = steps is not None
+        if steps is None:  # the rails are even enough: one direct all-to-all
+            self.direct += 1
+            off = self._off_node
+            np.add.at(self.rail_bytes_sent, self._rail_of_dst[off], T[self.me][off] * row_bytes)
+            return all_to_all(x, recv_D, send_D, self.group)
+        self.sprayed += 1
+        self.last_schedule = steps["schedule"]
         self.rail_bytes_sent[self.rail] += steps["rail_rows"] * row_bytes
         buf1 = all_to_all(x.index_select(0, steps["idx1"]), *steps["splits1"], self.node_group)
         if steps["phase2"]:
@@ -98,6 +121,10 @@ class RailsAllToAll:
             buf1 = torch.cat([buf1, buf3])
         return buf1.index_select(0, steps["idx_out"])
 
+    def sprays(self, traffic_DD: np.ndarray) -> bool:
+        """Whether an exchange of this traffic goes over the sprayed schedule (else direct)."""
+        return self._steps(np.asarray(traffic_DD, dtype=np.int64)) is not None
+
     def _gather_traffic(self, send_D) -> np.ndarray:
         D = len(self.ep_ranks)
         mine = torch.tensor(list(map(int, send_D)), dtype=torch.int64)
@@ -105,12 +132,16 @@ class RailsAllToAll:
         dist.all_gather(list(out.unbind(0)), mine, group=self.group)
         return out.numpy()
 
-    def _steps(self, T: np.ndarray) -> dict:
+    def _steps(self, T: np.ndarray) -> Optional[dict]:
+        """The sprayed exchange's steps for traffic T, or None for the direct exchange."""
         key = T.tobytes()
         if key in self._plans:
             self._plans.move_to_end(key)
             return self._plans[key]
-        steps = build_steps(rails_schedule(T, self.topo), self.me)
+        if rail_imbalance(T, self.topo) <= 1.0 + self.tolerance:
+            steps = None
+        else:
+            steps = build_steps(rails_schedule(T, self.topo), self.me)
         self._plans[key] = steps
         if len(self._plans) > self._cache:
             self._plans.popitem(last=False)

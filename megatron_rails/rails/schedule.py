@@ -165,6 +165,30 @@ def rails_schedule(traffic_DD, topo: Topology) -> RailSchedule:
                                     units[order])
 
 
+def rail_imbalance(traffic_DD, topo: Topology) -> float:
+    """How unevenly the rail-matched direct all-to-all (every inter-node message whole on its
+    destination's rail, as NCCL's PXN routes it) loads the rails: its busiest (node, rail, direction)
+    over the even spread, max over nodes and directions of ceil(node's inter-node units / N). 1.0
+    when nothing crosses nodes. Spraying can at best bring it to 1, so it bounds what RailS can gain."""
+    T = np.asarray(traffic_DD, dtype=np.int64)
+    D = T.shape[0]
+    topo = topo.for_world(D)
+    G, N, P = topo.gpus_per_node, topo.rails_per_node, topo.nodes
+    if P == 1:
+        return 1.0
+    node = topo.node_of(np.arange(D))
+    cross = np.where(node[:, None] != node[None, :], T, 0)       # inter-node units only
+    # destination GPU d = node * G + rail * gpus_per_rail + i: sum over senders' GPUs or receivers
+    by_PPNi = cross.reshape(P, G, P, N, topo.gpus_per_rail)     # (src node, src GPU, dst node, rail, i)
+    egress_PN = by_PPNi.sum(axis=(1, 2, 4))                       # node a's sends on each rail
+    ingress_PN = by_PPNi.sum(axis=(0, 1, 4))                      # node b's receives on each rail
+    busiest = max(int(egress_PN.max()), int(ingress_PN.max()))
+    if busiest == 0:
+        return 1.0
+    even = max(-(-int(egress_PN.sum(axis=1).max()) // N), -(-int(ingress_PN.sum(axis=1).max()) // N))
+    return busiest / even
+
+
 def _key(major, minor, span=None):
     """One int64 sort key ordering by `major`, then `minor` (both int64; `minor` spans < `span`)."""
     lo = minor.min() if minor.size else 0
