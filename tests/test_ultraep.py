@@ -219,3 +219,21 @@ def test_loop_and_numpy_cascades_agree(seed, G, n_nodes, per_rank, kind):
         assert (a is None) == (b is None)
         if a is not None:
             assert a[0] == b[0].tolist() and a[1] == b[1].tolist()
+
+
+@pytest.mark.parametrize("D,E,R,tol", [(8, 16, 1, 0.0), (8, 16, 2, 0.5), (16, 8, 1, 1.0), (4, 6, 0, 0.0)])
+def test_stock_plans_equal_the_validated_stock_plan(D, E, R, tol):
+    # uniform counts (stock is optimal), and skewed counts within a large tolerance or without slots
+    from megatron_rails.plan import Placement, Plan
+
+    rng = np.random.default_rng(D * E + R)
+    cfg = PlannerConfig(D, E, 4, R, tolerance=tol)
+    for counts in (np.full((D, E), 3, dtype=np.int64), rng.integers(0, 9, size=(D, E))):
+        plan, _ = make_planner("ultraep", cfg).plan(counts)
+        if plan.info["method"] != "stock":
+            continue
+        ref = Plan.from_quotas(Placement.owner_from_pairs(E, D, cfg.ranks_per_node, R, (), ()), counts,
+                               counts.sum(axis=0), policy="ultraep")
+        assert plan.digest() == ref.digest()
+        assert plan.info["exports"] == 0 and plan.weight_moves == 0
+        plan.validate()

@@ -56,6 +56,9 @@ class UltraEPPlanner(PlannerBase):
         # the owner replicas' table, a row (expert, rank, slot, quota) per owner: quotas set per plan
         self._owner_rows = np.ascontiguousarray(np.stack((expert_E, owner_E, slot_E, expert_E)).T)
         self._L = self._blocks.idx_DL.shape[1]
+        # the stock layout (owners, redundant slots empty): shared by every plan that moves nothing
+        self._stock = Placement.owner_from_pairs(cfg.num_experts, cfg.num_ranks, cfg.ranks_per_node, cfg.slots, (), ())
+        self._stock.replica_expert_R  # its replica table, computed once for every plan that shares it
         self._kernel = _compiled()
         self._tol_limit = 1.0 + cfg.tolerance if cfg.tolerance else 0.0
 
@@ -123,6 +126,10 @@ class UltraEPPlanner(PlannerBase):
 
                 threshold, got = search_threshold(lo, hi, feasible)
                 how = "chain"
+        if not got:  # stock: one replica per expert, in expert order, computing all its tokens
+            load_E.flags.writeable = False
+            info = {"threshold": threshold, "mean_bound": lo, "exports": 0, "method": how}
+            return Plan.trusted(self._stock, counts, load_E, policy=self.name, info=info)
         placement, quota, n = self._build(load_E, got, how)
         info = {"threshold": threshold, "mean_bound": lo, "exports": n, "method": how}
         if how == "cascade":  # owners + one export per rank, quotas summing to the loads by construction
@@ -135,8 +142,6 @@ class UltraEPPlanner(PlannerBase):
         the owners). Replicas are numbered by (expert, rank), owners and exports merged."""
         cfg = self.cfg
         D, E = cfg.num_ranks, cfg.num_experts
-        if not got:
-            return Placement.owner_from_pairs(E, D, cfg.ranks_per_node, cfg.slots, (), ()), load_E, 0
         if how == "cascade":  # at most one piece per rank: it goes to the rank's first redundant slot
             # (hot path: as few numpy calls as the merge allows)
             L = self._L
