@@ -132,5 +132,11 @@ def run_demo(config: str | None = None, steps: int = 20, ranks: int = 4, json_ou
               f"{summary['loss_last']:.4f}")
     con.print(f"step time (median): none {summary['step_ms_none']:.0f} ms, {pcfg.policy} "
               f"{summary['step_ms_policy']:.0f} ms (CPU gloo; not a GPU timing)")
+    w = sum(x["weight_bytes_per_step"] for x in summary["layers"])
+    tok = sum(x["token_bytes_per_step"] for x in summary["layers"])
+    if summary["step_ms_policy"] > summary["step_ms_none"] and w > tok:
+        con.print(f"  {pcfg.policy} moved {w / max(tok, 1):.0f}x more weight bytes than token bytes per step, and here "
+                  f"nothing overlaps that traffic: at this toy scale the re-layout costs more than the imbalance it "
+                  f"removes (docs/benchmarks.md)")
     con.print(f"imbalance plot: {png}")
     return 0
