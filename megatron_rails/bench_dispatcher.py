@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 import time
 
@@ -60,10 +59,9 @@ def _skew_router(weight_EH: torch.Tensor, u_H: torch.Tensor, s: float) -> None:
     weight_EH += torch.outer(alpha, u_H) / 2.0  # x carries 2 u
 
 
-def _worker(rank, world, port, reps, out):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _worker(rank, world, store, reps, out):
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     import megatron_rails
     from megatron.core import parallel_state as ps
 
@@ -121,13 +119,13 @@ def _worker(rank, world, port, reps, out):
 
 
 def bench_dispatcher(out: str, reps: int = 20, world: int = 4) -> dict:
+    import tempfile
+
     tmp = out + ".rows"
-    with socket.socket() as sk:
-        sk.bind(("127.0.0.1", 0))
-        port = sk.getsockname()[1]
     print(f"dispatcher bench: {world} gloo ranks, hidden {SHAPE['hidden']}, ffn {SHAPE['ffn']}, "
           f"{SHAPE['experts']} experts top-{SHAPE['topk']}, {SHAPE['tokens']} tokens/rank", file=sys.stderr)
-    mp.start_processes(_worker, args=(world, port, reps, tmp), nprocs=world, start_method="spawn")
+    with tempfile.TemporaryDirectory(prefix="rails-bench-") as rdzv:  # a file rendezvous: no port to race for
+        mp.start_processes(_worker, args=(world, f"{rdzv}/store", reps, tmp), nprocs=world, start_method="spawn")
     with open(tmp) as f:
         rows = json.load(f)
     os.remove(tmp)

@@ -19,7 +19,7 @@ VIRTUAL_NODE = 2  # ranks per virtual node on CPU, so RailS and same-node routin
 
 def _run(policy_args: list[str], label: str, steps: int, ranks: int, out: str, quiet: bool) -> dict:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
-           "--master-port", str(_free_port()), "-m", "megatron_rails.train_demo",
+           "--standalone", "-m", "megatron_rails.train_demo",
            *policy_args, "--steps", str(steps), "--out", out]
     env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
@@ -32,14 +32,6 @@ def _run(policy_args: list[str], label: str, steps: int, ranks: int, out: str, q
         raise RuntimeError(f"training run '{label}' failed (exit {proc.returncode}):\n{''.join(tail)}")
     with open(out) as f:
         return json.load(f)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def summarize(base: dict, bal: dict) -> dict:

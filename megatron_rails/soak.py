@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import resource
-import socket
 import sys
 import time
 
@@ -73,12 +72,6 @@ def planner_soak(calls: int = 2000, ranks: int = 32, experts: int = 64, seed: in
             "worst_max_over_mean": worst, "rss_mb_after_first_call": rss0, "rss_mb_every_200_calls": rss_samples, "rss_mb_end": rss_mb(), "peak_rss_mb": peak_rss_mb()}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _layer_config(world, dispatcher, E=8, H=16, ffn=24):
     import torch
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -91,15 +84,15 @@ def _layer_config(world, dispatcher, E=8, H=16, ffn=24):
         moe_router_load_balancing_type="none", init_method_std=0.2)
 
 
-def _dispatcher_worker(rank, world, port, steps, out, timeout_s):
+def _dispatcher_worker(rank, world, store, steps, out, timeout_s):
     from datetime import timedelta
 
     import torch
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=timeout_s))  # a file rendezvous: no port to race for
     import megatron_rails
     from megatron.core import parallel_state as ps
 
@@ -177,7 +170,7 @@ def dispatcher_soak(steps: int = 200, world: int = 4, timeout_s: float = 300.0) 
 
     with tempfile.TemporaryDirectory() as tmp:
         out = f"{tmp}/soak"
-        mp.start_processes(_dispatcher_worker, args=(world, _free_port(), steps, out, timeout_s), nprocs=world,
+        mp.start_processes(_dispatcher_worker, args=(world, f"{tmp}/store", steps, out, timeout_s), nprocs=world,
                            start_method="spawn")
         ranks = []
         for r in range(world):

@@ -195,7 +195,6 @@ def record_demo(out: str, steps: int = 10, policy: str = "none", ranks: int = 4,
     """Launch the CPU demo on `ranks` gloo ranks with recording on; returns the trace path."""
     import subprocess
 
-    from .demo import _free_port
     from .planners import POLICIES
 
     if policy not in POLICIES:
@@ -207,7 +206,7 @@ def record_demo(out: str, steps: int = 10, policy: str = "none", ranks: int = 4,
     if steps < 1:
         raise TraceError(f"--steps must be >= 1, got {steps}")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
-           "--master-port", str(_free_port()), "-m", "megatron_rails.trace", "--out", str(out),
+           "--standalone", "-m", "megatron_rails.trace", "--out", str(out),
            "--steps", str(steps), "--policy", policy, "--slots", str(slots)]
     env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)

@@ -6,7 +6,7 @@
 from __future__ import annotations
 
 import os
-import socket
+import tempfile
 import traceback
 
 import torch
@@ -14,17 +14,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _entry(rank, world, port, fn, args, errq, megatron=True):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _entry(rank, world, store, fn, args, errq, megatron=True):
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world)
+        # rendezvous through a file: no port picked in advance that another process could take
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
         if megatron:
             from megatron_rails.megatron import cpu_shims
 
@@ -46,8 +40,9 @@ def spawn(fn, world: int, *args, megatron: bool = True) -> None:
     ctx = mp.get_context("spawn")
     errq = ctx.SimpleQueue()
     try:
-        mp.start_processes(_entry, args=(world, free_port(), fn, args, errq, megatron), nprocs=world, join=True,
-                           start_method="spawn")
+        with tempfile.TemporaryDirectory(prefix="rails-spawn-") as tmp:
+            mp.start_processes(_entry, args=(world, os.path.join(tmp, "store"), fn, args, errq, megatron),
+                               nprocs=world, join=True, start_method="spawn")
     except mp.ProcessExitedException as err:
         msgs = []
         while not errq.empty():

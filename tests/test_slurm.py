@@ -11,7 +11,6 @@ import os
 import re
 import shlex
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -136,11 +135,8 @@ def submit(tmp_path, cmd: str, timeout=600):
 
 def direct_run(tmp_path) -> list:
     """The documented torchrun line on this machine, no Slurm (the reference)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     argv = shlex.split(TORCHRUN_CPU.replace("run.json", str(tmp_path / "direct.json")))
-    argv[:1] = [sys.executable, "-m", "torch.distributed.run", "--master-port", str(port)]
+    argv[:1] = [sys.executable, "-m", "torch.distributed.run", "--standalone"]  # its own free port
     p = subprocess.run(argv, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     return json.loads((tmp_path / "direct.json").read_text())["losses"]
