@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -119,8 +120,6 @@ def _worker(rank, world, store, reps, out):
 
 
 def bench_dispatcher(out: str, reps: int = 20, world: int = 4) -> dict:
-    import tempfile
-
     tmp = out + ".rows"
     print(f"dispatcher bench: {world} gloo ranks, hidden {SHAPE['hidden']}, ffn {SHAPE['ffn']}, "
           f"{SHAPE['experts']} experts top-{SHAPE['topk']}, {SHAPE['tokens']} tokens/rank", file=sys.stderr)

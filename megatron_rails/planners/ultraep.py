@@ -80,10 +80,11 @@ class UltraEPPlanner(PlannerBase):
         code = self._kernel(counts, D, E, cfg.ranks_per_node, cfg.slots, self._tol_limit, load_E, se, table, info)
         if code < 0:
             check_counts(counts, D, E)  # raises, naming the negative entry
-        if code != _CASCADE:  # stock plans and the threshold search: Python
-            load_E.flags.writeable = False
-            return self._plan(counts, load_E), None
         lo, X = int(info[0]), int(info[2])
+        if code == _STOCK:  # the kernel already judged it: nothing to export (or within tolerance)
+            return self._stock_plan(counts, load_E, lo, int(info[1]), "stock"), None
+        if code == _GAVE_UP:  # the threshold search: Python
+            return self._plan(counts, load_E), None
         se.flags.writeable = False
         table.flags.writeable = False
         table = table[:, :E + X]
@@ -126,15 +127,19 @@ class UltraEPPlanner(PlannerBase):
 
                 threshold, got = search_threshold(lo, hi, feasible)
                 how = "chain"
-        if not got:  # stock: one replica per expert, in expert order, computing all its tokens
-            load_E.flags.writeable = False
-            info = {"threshold": threshold, "mean_bound": lo, "exports": 0, "method": how}
-            return Plan.trusted(self._stock, counts, load_E, policy=self.name, info=info)
+        if not got:
+            return self._stock_plan(counts, load_E, lo, threshold, how)
         placement, quota, n = self._build(load_E, got, how)
         info = {"threshold": threshold, "mean_bound": lo, "exports": n, "method": how}
         if how == "cascade":  # owners + one export per rank, quotas summing to the loads by construction
             return Plan.trusted(placement, counts, quota, policy=self.name, info=info)
         return Plan.from_quotas(placement, counts, quota, policy=self.name, info=info)
+
+    def _stock_plan(self, counts: np.ndarray, load_E: np.ndarray, lo: int, threshold: int, how: str) -> Plan:
+        """The stock layout: one replica per expert, in expert order, computing all its tokens."""
+        load_E.flags.writeable = False
+        info = {"threshold": threshold, "mean_bound": lo, "exports": 0, "method": how}
+        return Plan.trusted(self._stock, counts, load_E, policy=self.name, info=info)
 
     def _build(self, load_E: np.ndarray, got, how: str):
         """Placement, quotas and number of exports. got: per-rank lists (expert_D, tokens_D) from
