@@ -78,6 +78,12 @@ def cmd_bench(args) -> int:
 
         bench_rails(args.out, quick=args.quick, plot=args.plot)
         return 0
+    if args.what == "local":
+        from .bench_local import bench_local
+
+        bench_local(args.out, shape_name="tiny" if args.quick else args.shape, device=args.device,
+                    dtype=args.dtype, reps=5 if args.quick else 50)
+        return 0
     raise SystemExit(f"unknown benchmark {args.what!r}")
 
 
@@ -112,10 +118,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_plan)
 
     b = sub.add_parser("bench", help="benchmarks; results as JSON (+ PNG)")
-    b.add_argument("what", choices=["planners", "dispatcher", "rails"])
+    b.add_argument("what", choices=["planners", "dispatcher", "rails", "local"])
     b.add_argument("--out", required=True, help="JSON output file")
     b.add_argument("--plot", help="PNG output (default: next to --out)")
     b.add_argument("--quick", action="store_true", help="a small grid for smoke runs")
+    b.add_argument("--device", default="cpu", help="local: torch device of the timed work (cpu, cuda)")
+    b.add_argument("--shape", default="mixtral-8x7b", help="local: mixtral-8x7b | mixtral-8x22b | tiny")
+    b.add_argument("--dtype", default="bfloat16", help="local: dtype of the hidden states")
     b.set_defaults(func=cmd_bench)
 
     s = sub.add_parser("simulate", help="simulators: all-to-all on a rail topology (a2a), iteration time (run)")

@@ -24,6 +24,15 @@ def all_gather_counts(counts_E: torch.Tensor, group) -> np.ndarray:
     return out.cpu().numpy()
 
 
+def collective_device(group) -> torch.device:
+    """Where small bookkeeping tensors for a collective on `group` must live: the current CUDA
+    device when NCCL is the group's only backend (NCCL takes no CPU tensors), else the CPU."""
+    backend = str(dist.get_backend(group)).lower()
+    if "nccl" in backend and "gloo" not in backend:
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 class CommError(RuntimeError):
     """A collective failed: a peer rank died, hung past the timeout, or the group is broken."""
 

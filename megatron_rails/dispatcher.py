@@ -19,6 +19,7 @@ import hashlib
 import time
 import warnings
 from collections import OrderedDict, deque
+from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
@@ -26,7 +27,7 @@ import torch
 import torch.distributed as dist
 from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 
-from .comm import all_gather_counts, make_comm
+from .comm import all_gather_counts, collective_device, make_comm
 from .config import PolicyConfig
 from .experts import ExpertStore, ShardedExpertStore
 from .faults import maybe_fault
@@ -38,6 +39,95 @@ from .planners import make_planner
 METRICS_KEPT = 10_000  # per-layer metric records a dispatcher keeps (one per microbatch step)
 RECENT_PLANS = 16  # plans kept for replayed forwards (activation recompute of in-flight microbatches)
 BALANCE_WARN = 0.05  # a balancing policy above 1 + this max/mean tokens per rank is reported
+
+
+@dataclass
+class SendOrder:
+    """This rank's token-expert pairs in send order (by destination rank, then slot there; token
+    order kept within a slot), as order_pairs computes them."""
+    token_P: torch.Tensor  # the token of every pair (on the routing map's device)
+    probs_P: torch.Tensor  # its routing prob
+    send_D: list  # all-to-all split sizes out
+    recv_D: list  # and in
+    by_token: Optional[torch.Tensor]  # pair positions grouped by token, when every token has k pairs
+    k: int
+
+
+def segment_order(lengths: np.ndarray, seg_order: np.ndarray) -> np.ndarray:
+    """Positions of a stream cut into consecutive segments of `lengths`, the segments taken in
+    `seg_order` (each one's positions ascending): a permutation, built without sorting the stream."""
+    starts = np.cumsum(lengths) - lengths
+    L, S = lengths[seg_order], starts[seg_order]
+    return np.repeat(S - (np.cumsum(L) - L), L) + np.arange(int(L.sum()), dtype=np.int64)
+
+
+def order_pairs(plan, me: int, routing_map: torch.Tensor, probs: torch.Tensor) -> SendOrder:
+    p = plan.placement
+    dev = routing_map.device
+    ptr, rep_M, tok_M = plan.route
+    row = slice(ptr[me], ptr[me + 1])
+    # pairs in expert-major, token-minor order (the stock permutation order); the route row lists
+    # this rank's replicas in (expert, rank) order, one run of pairs each: sending by (destination,
+    # slot), token order kept, is a stable reorder of those runs
+    T, E = routing_map.shape
+    lo_hi = torch.stack(torch.aminmax(routing_map.sum(dim=1))) if T else None  # queued before nonzero's sync
+    e_P, t_P = routing_map.T.nonzero(as_tuple=True)
+    rep = rep_M[row]
+    dest, slot = p.replica_rank_R[rep], p.replica_slot_R[rep]
+    runs = np.argsort(dest * p.slots_per_rank + slot, kind="stable")
+    order = torch.from_numpy(segment_order(tok_M[row], runs)).to(dev)
+    token_P, e_sent = t_P[order], e_P[order]
+    probs_P = probs[token_P, e_sent]
+    P = token_P.numel()
+    # every token has the same number k of pairs (top-k routing without drops): the combine sums
+    # each token's k outputs as a [T, k, H] reduction instead of scattered adds. by_token lists
+    # the send positions of every token's pairs, token-major: a [T, E] table of positions (P where
+    # not routed) whose k smallest per row are the token's pairs
+    k = P // T if T else 0
+    by_token = None
+    if k:
+        lo, hi = lo_hi.tolist()
+        if lo == hi:
+            pos_TE = torch.full((T, E), P, dtype=torch.int64, device=dev)
+            pos_TE[token_P, e_sent] = torch.arange(P, device=dev)
+            by_token = (pos_TE.sort(dim=1).values[:, :k] if k < E else pos_TE).reshape(-1)
+    send_D = np.bincount(dest, weights=tok_M[row], minlength=plan.send_DD.shape[0]).astype(np.int64).tolist()
+    return SendOrder(token_P, probs_P, send_D, plan.send_DD[:, me].tolist(), by_token, k)
+
+
+def sum_pairs(y_P: torch.Tensor, so: SendOrder, T: int) -> torch.Tensor:
+    """[T, H]: every token's returned expert outputs summed (rows of y_P in send order)."""
+    if so.by_token is not None:
+        return y_P[so.by_token].view(T, so.k, y_P.shape[-1]).sum(dim=1)
+    return y_P.new_zeros((T, y_P.shape[-1])).index_add(0, so.token_P, y_P)
+
+
+def receive_order(plan, me: int, device) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor], np.ndarray]:
+    """The rows this rank receives arrive source-major, slot-minor. Returns (order, inverse,
+    per_slot): the permutation that groups them by slot (stable within a slot), its inverse (both
+    None where the rows already arrive grouped) and the rows per slot."""
+    p = plan.placement
+    D, S = plan.send_DD.shape[0], p.slots_per_rank
+    ptr, rep_M, tok_M = plan.route
+    src_M = np.repeat(np.arange(D), np.diff(ptr))
+    mine = p.replica_rank_R[rep_M] == me
+    n_DS = np.zeros((D, S), dtype=np.int64)
+    np.add.at(n_DS, (src_M[mine], p.replica_slot_R[rep_M[mine]]), tok_M[mine])
+    per_slot = n_DS.sum(axis=0)
+    run_slot = np.tile(np.arange(S), D)[n_DS.ravel() > 0]
+    if (np.diff(run_slot) >= 0).all():  # the rows already arrive grouped by slot
+        return None, None, per_slot
+    # the received runs (source-major, slot-minor), taken slot-major
+    both = np.empty((2, int(per_slot.sum())), dtype=np.int64)  # the permutation and its inverse, one copy
+    both[0] = order = segment_order(n_DS.ravel(), np.arange(D * S).reshape(D, S).T.ravel())
+    both[1, order] = np.arange(order.size)
+    order_t, inverse_t = torch.from_numpy(both).to(device).unbind(0)
+    return order_t, inverse_t, per_slot
+
+
+def rows(x: torch.Tensor, index: Optional[torch.Tensor]) -> torch.Tensor:
+    """x reordered by index (None: as is)."""
+    return x if index is None else x[index]
 
 
 class PlanMismatchError(RuntimeError):
@@ -103,23 +193,11 @@ class RailsTokenDispatcher(MoETokenDispatcher):
             if len(self._recent) > self.recent_plans:
                 self._recent.popitem(last=False)
         self.plan = plan
-        p, me = plan.placement, self.ep_rank
-        ptr, rep_M, tok_M = plan.route
-        row = slice(ptr[me], ptr[me + 1])
-        # pairs in expert-major, token-minor order (the stock permutation order); the route row
-        # lists this rank's replicas in (expert, rank) order, so repeating them follows the pairs
-        e_P, t_P = routing_map.T.nonzero(as_tuple=True)
-        rep_P = np.repeat(rep_M[row], tok_M[row])
-        dest_P, slot_P = p.replica_rank_R[rep_P], p.replica_slot_R[rep_P]
-        order = np.lexsort((slot_P, dest_P))  # stable: token order kept within a slot
-        order_t = torch.from_numpy(order).to(x_TH.device)
-        self.token_P = t_P[order_t]
-        probs_P = probs[t_P, e_P][order_t]
-        self.send_D = np.bincount(dest_P, minlength=self.ep_size).tolist()
-        self.recv_D = plan.send_DD[:, me].tolist()
+        self.sent = order_pairs(plan, self.ep_rank, routing_map, probs)
+        self.send_D, self.recv_D = self.sent.send_D, self.sent.recv_D
         if replay is None:  # a replayed forward is not a new step for the metrics either
             self._record(plan, counts_DE, (t1 - t0) * 1e6, (t2 - t1) * 1e6, x_TH)
-        return x_TH[self.token_P], probs_P
+        return x_TH[self.sent.token_P], self.sent.probs_P
 
     # -- 2. exchange ----------------------------------------------------------------------------
     def token_dispatch(self, hidden_states: torch.Tensor, probs: torch.Tensor):
@@ -131,20 +209,10 @@ class RailsTokenDispatcher(MoETokenDispatcher):
 
     # -- 3. group by slot, compute replicas -------------------------------------------------------
     def dispatch_postprocess(self, hidden_states: torch.Tensor, probs: torch.Tensor):
-        plan, me = self.plan, self.ep_rank
-        p = plan.placement
-        S, L = p.slots_per_rank, p.owner_slots
-        ptr, rep_M, tok_M = plan.route
-        src_M = np.repeat(np.arange(self.ep_size), np.diff(ptr))
-        mine = p.replica_rank_R[rep_M] == me
-        # rows arrive source-major, slot-minor: count them per (source, slot), then regroup by slot
-        n_DS = np.zeros((self.ep_size, S), dtype=np.int64)
-        np.add.at(n_DS, (src_M[mine], p.replica_slot_R[rep_M[mine]]), tok_M[mine])
-        slot_Q = np.repeat(np.tile(np.arange(S), self.ep_size), n_DS.ravel())
-        order = np.argsort(slot_Q, kind="stable")
-        self.recv_order = torch.from_numpy(order).to(hidden_states.device)
-        x_Q, pr_Q = hidden_states[self.recv_order], probs[self.recv_order]
-        per_slot = n_DS.sum(axis=0)
+        plan = self.plan
+        L, S = plan.placement.owner_slots, plan.placement.slots_per_rank
+        order, self.recv_inverse, per_slot = receive_order(plan, self.ep_rank, hidden_states.device)
+        x_Q, pr_Q = rows(hidden_states, order), rows(probs, order)
         n_owner = int(per_slot[:L].sum())
         weights, got = self.store.fetch(plan, self.comm.exchange)
         outs = []
@@ -155,6 +223,7 @@ class RailsTokenDispatcher(MoETokenDispatcher):
                 outs.append(self.store.compute(weights[s], x_Q[start:start + n], pr_Q[start:start + n]))
             start += n
         self.replica_out = torch.cat(outs) if outs else x_Q[n_owner:n_owner]
+        self.replica_rows, self.weights_in_graph = start - n_owner, got is not None
         if got is not None:  # keep the received weights in the graph on every rank (see ExpertStore.fetch);
             # an empty slice sums to exactly 0, so a non-finite weight cannot leak in as 0 * inf
             self.replica_out = self.replica_out + got[:0].sum()
@@ -165,19 +234,18 @@ class RailsTokenDispatcher(MoETokenDispatcher):
 
     # -- 4-6. combine ---------------------------------------------------------------------------
     def combine_preprocess(self, hidden_states: torch.Tensor):
-        y_Q = torch.cat([hidden_states, self.replica_out.to(hidden_states.dtype)])
-        out = torch.empty_like(y_Q)
-        out = out.index_copy(0, self.recv_order, y_Q)  # back to the received (source-major) order
-        return out
+        y_Q = hidden_states
+        if self.replica_rows or self.weights_in_graph:  # else replica_out is empty and outside the graph
+            y_Q = torch.cat([hidden_states, self.replica_out.to(hidden_states.dtype)])
+        return rows(y_Q, self.recv_inverse)  # back to the received (source-major) order
 
     def token_combine(self, hidden_states: torch.Tensor):
         maybe_fault("token_combine", self.ep_rank)
         return self.comm.exchange(hidden_states, self.recv_D, self.send_D, self.plan.send_DD.T)
 
     def combine_postprocess(self, hidden_states: torch.Tensor):
-        T, H = int(np.prod(self.hidden_shape[:-1])), self.hidden_shape[-1]
-        out = hidden_states.new_zeros((T, H)).index_add(0, self.token_P, hidden_states)
-        return out.view(self.hidden_shape)
+        T = int(np.prod(self.hidden_shape[:-1]))
+        return sum_pairs(hidden_states, self.sent, T).view(self.hidden_shape)
 
     # -- checks and metrics ---------------------------------------------------------------------
     def _check_plan(self, plan) -> None:
@@ -189,8 +257,9 @@ class RailsTokenDispatcher(MoETokenDispatcher):
         except PlanError as err:
             invalid = str(err)
         digest = int(plan.digest()[:15], 16)
-        lo = torch.tensor([digest, -int(bool(invalid))], dtype=torch.int64)  # min of -flag = -max flag
-        hi = torch.tensor([digest], dtype=torch.int64)
+        dev = collective_device(self.ep_group)
+        lo = torch.tensor([digest, -int(bool(invalid))], dtype=torch.int64, device=dev)  # min of -flag = -max flag
+        hi = torch.tensor([digest], dtype=torch.int64, device=dev)
         dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=self.ep_group)
         dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=self.ep_group)
         if lo[1].item() < 0:

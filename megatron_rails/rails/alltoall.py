@@ -28,7 +28,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..comm import all_to_all, group_timeout
+from ..comm import all_to_all, collective_device, group_timeout
 from .schedule import RailSchedule, rail_imbalance, rails_schedule
 from .topology import Topology
 
@@ -127,10 +127,11 @@ class RailsAllToAll:
 
     def _gather_traffic(self, send_D) -> np.ndarray:
         D = len(self.ep_ranks)
-        mine = torch.tensor(list(map(int, send_D)), dtype=torch.int64)
-        out = torch.empty((D, D), dtype=torch.int64)
+        dev = collective_device(self.group)
+        mine = torch.tensor(list(map(int, send_D)), dtype=torch.int64, device=dev)
+        out = torch.empty((D, D), dtype=torch.int64, device=dev)
         dist.all_gather(list(out.unbind(0)), mine, group=self.group)
-        return out.numpy()
+        return out.cpu().numpy()
 
     def _steps(self, T: np.ndarray) -> Optional[dict]:
         """The sprayed exchange's steps for traffic T, or None for the direct exchange."""

@@ -1,0 +1,131 @@
+"""The dispatcher's local work (dispatcher.order_pairs / sum_pairs / receive_order / segment_order)
+against direct single-process references: the routed pairs, per-token sums in float64, and the
+received rows labelled with their (source, slot) from the plan's route."""
+import numpy as np
+import pytest
+import torch
+
+from megatron_rails.bench_local import bench_local
+from megatron_rails.config import PolicyConfig
+from megatron_rails.dispatcher import order_pairs, receive_order, rows, segment_order, sum_pairs
+from megatron_rails.planners import make_planner
+
+POLICIES = ["none", "eplb", "ultraep", "lp", "fsep"]
+D, E = 4, 8
+
+
+def _routing(rng, T, k):
+    """k > 0: top-k (every token k experts); k = 0: a random number of experts per token, zero included."""
+    if k:
+        logits = rng.standard_normal((T, E)) + np.log(1.0 / np.arange(1, E + 1)) * rng.uniform(0, 2)
+        top = np.argsort(-logits, axis=1)[:, :k]
+        rmap = np.zeros((T, E), dtype=bool)
+        np.put_along_axis(rmap, top, True, axis=1)
+    else:
+        rmap = rng.random((T, E)) < rng.uniform(0.05, 0.5)
+    probs = np.where(rmap, rng.random((T, E)), 0.0)
+    return torch.from_numpy(rmap), torch.from_numpy(probs)
+
+
+def _plan(rng, policy, rmap, me):
+    counts = rng.integers(0, 3 * max(1, rmap.shape[0]), size=(D, E)).astype(np.int64)
+    counts[me] = rmap.sum(dim=0).numpy()
+    cfg = PolicyConfig(policy=policy, slots=2, ranks_per_node=2).planner_config(D, E)
+    planner = make_planner(policy, cfg)
+    plan, _ = planner.plan(counts, planner.initial_state())
+    return plan
+
+
+def test_segment_order_against_concatenated_runs():
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        n = rng.integers(0, 6, size=rng.integers(0, 12))
+        seg = rng.permutation(n.size)
+        stream = np.repeat(np.arange(n.size), n)
+        ref = np.concatenate([np.flatnonzero(stream == i) for i in seg] + [np.zeros(0, dtype=np.int64)])
+        assert np.array_equal(segment_order(n, seg), ref)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_order_pairs_and_sum_pairs(policy):
+    rng = np.random.default_rng(hash(policy) % 2**32)
+    for it in range(40):
+        T = int(rng.integers(0, 40))
+        k = [0, 1, 2, 3][it % 4]
+        rmap, probs = _routing(rng, T, k)
+        me = int(rng.integers(D))
+        plan = _plan(rng, policy, rmap, me)
+        so = order_pairs(plan, me, rmap, probs)
+        # exactly the routed (token, prob) pairs, split as the plan says
+        want = sorted((int(t), float(probs[t, e])) for t, e in zip(*np.nonzero(rmap.numpy())))
+        assert sorted(zip(so.token_P.tolist(), so.probs_P.tolist())) == want
+        assert so.send_D == plan.send_DD[me].tolist() and so.recv_D == plan.send_DD[:, me].tolist()
+        # the send order, pair by pair: the stock (expert-major, token-minor) pairs take the route's
+        # runs in turn, then a stable sort by (destination rank, slot)
+        ptr, rep_M, tok_M = plan.route
+        rep_P = np.repeat(rep_M[ptr[me]:ptr[me + 1]], tok_M[ptr[me]:ptr[me + 1]])
+        e_P, t_P = np.nonzero(rmap.numpy().T)
+        ref_order = np.lexsort((plan.placement.replica_slot_R[rep_P], plan.placement.replica_rank_R[rep_P]))
+        assert so.token_P.tolist() == t_P[ref_order].tolist()
+        # per-token sums against float64 loops, on the reduction path and the scattered-add path
+        y = torch.randn(so.token_P.numel(), 5, dtype=torch.float64)
+        ref = np.zeros((T, 5))
+        for i, t in enumerate(so.token_P.tolist()):
+            ref[t] += y[i].numpy()
+        uniform = T > 0 and bool((rmap.sum(dim=1) == rmap.sum(dim=1)[0]).all()) and rmap.any()
+        assert (so.by_token is not None) == uniform
+        np.testing.assert_allclose(sum_pairs(y, so, T).numpy(), ref, rtol=1e-12, atol=1e-12)
+        so.by_token = None
+        np.testing.assert_allclose(sum_pairs(y, so, T).numpy(), ref, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_receive_order_groups_rows_by_slot(policy):
+    rng = np.random.default_rng(7 + hash(policy) % 1000)
+    for _ in range(40):
+        rmap, _ = _routing(rng, int(rng.integers(1, 40)), int(rng.integers(0, 3)))
+        me = int(rng.integers(D))
+        plan = _plan(rng, policy, rmap, me)
+        p = plan.placement
+        ptr, rep_M, tok_M = plan.route
+        # label every received row with (source, slot): rows arrive source-major, slot-minor
+        labels = []
+        for src in range(D):
+            runs = [(int(p.replica_slot_R[r]), int(n)) for r, n in zip(rep_M[ptr[src]:ptr[src + 1]],
+                                                                       tok_M[ptr[src]:ptr[src + 1]])
+                    if p.replica_rank_R[r] == me]
+            for slot, n in sorted(runs, key=lambda sn: sn[0]):
+                labels += [(src, slot)] * n
+        x = torch.tensor([s * 1000 + d for d, s in labels], dtype=torch.int64)
+        order, inverse, per_slot = receive_order(plan, me, torch.device("cpu"))
+        grouped = rows(x, order)
+        assert np.array_equal(per_slot, np.bincount([s for _, s in labels], minlength=p.slots_per_rank))
+        # slot-major, source order kept within a slot
+        assert grouped.tolist() == sorted(x.tolist(), key=lambda v: (v // 1000, v % 1000))
+        assert torch.equal(rows(grouped, inverse), x)
+        already = x.tolist() == sorted(x.tolist(), key=lambda v: (v // 1000, v % 1000))
+        assert (order is None) == already  # a permutation only where the rows need one
+
+
+def test_bench_local_runs_and_checks_the_send_order(tmp_path):
+    out = tmp_path / "local.json"
+    res = bench_local(str(out), shape_name="tiny", reps=2)
+    assert out.exists()
+    assert {(r["policy"], r["skew"]) for r in res["rows"]} == {(p, s) for p in POLICIES for s in ("uniform", "zipf:1.2")}
+    for r in res["rows"]:
+        assert r["pairs_sent"] == 256 * 2 and r["local_us_p50"] > 0 and r["megatron_local_us_p50"] > 0
+        if r["skew"] != "uniform" and r["policy"] != "none":  # balancing shrinks the busiest rank's rows
+            assert r["rows_received"] < r["rows_received_stock"]
+        elif r["policy"] != "eplb":  # eplb splits an expert's tokens evenly over its replicas, not exactly
+            assert r["rows_received"] <= r["rows_received_stock"]
+
+
+def test_collective_device_follows_the_backend(monkeypatch):
+    """Bookkeeping tensors of a collective go where the backend takes them: CUDA under NCCL alone."""
+    import megatron_rails.comm as comm
+
+    monkeypatch.setattr(comm.torch.cuda, "current_device", lambda: 3)
+    for backend, want in (("nccl", torch.device("cuda", 3)), ("gloo", torch.device("cpu")),
+                          ("cpu:gloo,cuda:nccl", torch.device("cpu"))):
+        monkeypatch.setattr(comm.dist, "get_backend", lambda group, b=backend: b)
+        assert comm.collective_device(None) == want
