@@ -64,7 +64,9 @@ def _timed(fn, reps: int, sync) -> list[float]:
 
 
 def _rows_for(policy: str, skew: str, shape: dict, dtype, device, reps: int, sync) -> dict:
-    from megatron.core.transformer.moe.moe_utils import permute, sort_chunks_by_idxs, unpermute
+    from megatron.core.transformer.moe.moe_utils import sort_chunks_by_idxs, unpermute
+
+    from .megatron.compat import stock_permute
 
     D, E, H, T = shape["ep"], shape["experts"], shape["hidden"], shape["tokens"]
     L = E // D
@@ -122,7 +124,7 @@ def _rows_for(policy: str, skew: str, shape: dict, dtype, device, reps: int, syn
     state_stock = {}
 
     def stock_dispatch():
-        out, pprobs, idx = permute(x, s_rmap, probs=s_probs, num_out_tokens=P_stock)
+        out, pprobs, idx = stock_permute(x, s_rmap, s_probs, P_stock)
         state_stock["idx"] = idx
         return out, pprobs
 

@@ -13,6 +13,8 @@
 * lazy parameter all-gather (DDP with the distributed optimizer and overlap_param_gather): in both,
   `DistributedDataParallel._make_forward_pre_hook` makes the per-module pre-hook that waits for the
   module's own parameters (`wait_param_gather`).
+* `moe_utils.permute` returns (tokens, probs, sorted_indices) in 0.16.x and adds pad offsets and
+  padded tokens per expert in 0.19.x (`stock_permute`).
 """
 from __future__ import annotations
 
@@ -21,6 +23,14 @@ import inspect
 import sys
 
 from megatron.core import __version__ as MCORE_VERSION  # noqa: F401  (re-exported for reports)
+
+
+def stock_permute(tokens, routing_map, probs, num_out_tokens: int):
+    """Megatron-Core's own (unfused) permutation: (permuted tokens, permuted probs, sorted indices)."""
+    from megatron.core.transformer.moe.moe_utils import permute
+
+    out = permute(tokens, routing_map, probs=probs, num_out_tokens=num_out_tokens)
+    return out[0], out[1], out[2]
 
 
 def moe_submodules(num_experts: int, grouped_gemm: bool = False, use_te: bool = False):
