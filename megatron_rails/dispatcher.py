@@ -62,6 +62,7 @@ def segment_order(lengths: np.ndarray, seg_order: np.ndarray) -> np.ndarray:
 
 
 def order_pairs(plan, me: int, routing_map: torch.Tensor, probs: torch.Tensor) -> SendOrder:
+    """Rank `me`'s token-expert pairs (routing_map bool [T, E], probs [T, E]) in the plan's send order."""
     p = plan.placement
     dev = routing_map.device
     ptr, rep_M, tok_M = plan.route
