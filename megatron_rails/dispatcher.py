@@ -126,9 +126,25 @@ def receive_order(plan, me: int, device) -> tuple[Optional[torch.Tensor], Option
     return order_t, inverse_t, per_slot
 
 
-def rows(x: torch.Tensor, index: Optional[torch.Tensor]) -> torch.Tensor:
-    """x reordered by index (None: as is)."""
-    return x if index is None else x[index]
+def rows(x: torch.Tensor, index: Optional[torch.Tensor], inverse: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x reordered by index (None: as is). Given the inverse permutation too, the backward is a
+    gather by it instead of a scatter-add into zeros."""
+    if index is None:
+        return x
+    if inverse is None or not (x.requires_grad and torch.is_grad_enabled()):
+        return x[index]
+    return _PermuteRows.apply(x, index, inverse)
+
+
+class _PermuteRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, index, inverse):
+        ctx.inverse = inverse
+        return x.index_select(0, index)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.index_select(0, ctx.inverse), None, None
 
 
 class PlanMismatchError(RuntimeError):
@@ -212,22 +228,20 @@ class RailsTokenDispatcher(MoETokenDispatcher):
     def dispatch_postprocess(self, hidden_states: torch.Tensor, probs: torch.Tensor):
         plan = self.plan
         L, S = plan.placement.owner_slots, plan.placement.slots_per_rank
-        order, self.recv_inverse, per_slot = receive_order(plan, self.ep_rank, hidden_states.device)
-        x_Q, pr_Q = rows(hidden_states, order), rows(probs, order)
+        self.recv_order, self.recv_inverse, per_slot = receive_order(plan, self.ep_rank, hidden_states.device)
+        x_Q, pr_Q = (rows(t, self.recv_order, self.recv_inverse) for t in (hidden_states, probs))
         n_owner = int(per_slot[:L].sum())
-        weights, got = self.store.fetch(plan, self.comm.exchange)
-        outs = []
+        weights, anchor = self.store.fetch(plan, self.comm.exchange)
+        self.replica_outs = []
         start = n_owner
         for s in range(L, S):
             n = int(per_slot[s])
             if n:
-                outs.append(self.store.compute(weights[s], x_Q[start:start + n], pr_Q[start:start + n]))
+                self.replica_outs.append(self.store.compute(weights[s], x_Q[start:start + n], pr_Q[start:start + n]))
             start += n
-        self.replica_out = torch.cat(outs) if outs else x_Q[n_owner:n_owner]
-        self.replica_rows, self.weights_in_graph = start - n_owner, got is not None
-        if got is not None:  # keep the received weights in the graph on every rank (see ExpertStore.fetch);
-            # an empty slice sums to exactly 0, so a non-finite weight cannot leak in as 0 * inf
-            self.replica_out = self.replica_out + got[:0].sum()
+        if anchor is not None:  # keep the weight exchange in the graph on every rank (see ExpertStore.fetch):
+            # zero rows, concatenated with the outputs in combine_preprocess
+            self.replica_outs.append(anchor.view(0, x_Q.shape[-1]))
         # the stock experts compute the owner slots (none under the sharded layout)
         tokens_per_expert = torch.zeros(self.num_local_experts, dtype=torch.int64)
         tokens_per_expert[:L] = torch.from_numpy(per_slot[:L].copy())
@@ -236,9 +250,10 @@ class RailsTokenDispatcher(MoETokenDispatcher):
     # -- 4-6. combine ---------------------------------------------------------------------------
     def combine_preprocess(self, hidden_states: torch.Tensor):
         y_Q = hidden_states
-        if self.replica_rows or self.weights_in_graph:  # else replica_out is empty and outside the graph
-            y_Q = torch.cat([hidden_states, self.replica_out.to(hidden_states.dtype)])
-        return rows(y_Q, self.recv_inverse)  # back to the received (source-major) order
+        if self.replica_outs:  # the replica slots' outputs (and the weight exchange's anchor) follow
+            y_Q = torch.cat([hidden_states] + [y.to(hidden_states.dtype) for y in self.replica_outs])
+        self.replica_outs = []
+        return rows(y_Q, self.recv_inverse, self.recv_order)  # back to the received (source-major) order
 
     def token_combine(self, hidden_states: torch.Tensor):
         maybe_fault("token_combine", self.ep_rank)

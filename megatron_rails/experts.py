@@ -90,9 +90,9 @@ class ExpertStore:
         """Bring the weights of this rank's active replica slots from their owners.
 
         exchange(x, send_D, recv_D, traffic_DD): the all-to-all to use. Every rank calls this with the same
-        plan. Returns ({slot: parameter dict}, the received buffer [n, P] or None when no rank
-        exchanged weights). The caller must keep the buffer in the autograd graph even when it is
-        empty, so that every rank joins the reverse exchange in backward.
+        plan. Returns ({slot: parameter dict}, an empty anchor tensor, or None when no rank
+        exchanged weights). The caller must keep the anchor in the autograd graph (its sum is 0),
+        so that every rank joins the reverse exchange in backward, with or without slots.
         """
         # the owners' weights as the optimizer left them; on every call, so that data-parallel
         # replicas (whose plans differ) wait for the same all-gathers at the same point
@@ -119,7 +119,7 @@ class ExpertStore:
         traffic_DD = np.zeros((D, D), dtype=np.int64)
         np.add.at(traffic_DD, (owner, dest), 1)
         got = exchange(buf, send_D.tolist(), recv_D.tolist(), traffic_DD)
-        return {int(s): self.unflatten(got[i]) for i, s in enumerate(p.replica_slot_R[recv])}, got
+        return {int(s): self.unflatten(got[i]) for i, s in enumerate(p.replica_slot_R[recv])}, got[:0]
 
     def compute(self, params: dict[str, torch.Tensor], x_NH: torch.Tensor, probs_N: torch.Tensor) -> torch.Tensor:
         """One expert with borrowed weights: the stock module's math for that expert, probs applied."""
@@ -236,7 +236,8 @@ class ShardedExpertStore(ExpertStore):
         self.load_from_owners()
 
     def fetch(self, plan: Plan, exchange):
-        """Materialize this rank's active slots from every rank's shards (see ExpertStore.fetch)."""
+        """Materialize this rank's active slots from every rank's shards (see ExpertStore.fetch).
+        Returns ({slot: parameter dict}, an empty anchor tensor to keep in the graph)."""
         p = plan.placement
         wait_param_gather(self.experts)  # the shards as the optimizer left them (see ExpertStore.fetch)
         active = np.flatnonzero(plan.quota_R > 0)
@@ -245,11 +246,74 @@ class ShardedExpertStore(ExpertStore):
         active = active[np.lexsort((p.replica_slot_R[active], p.replica_rank_R[active]))]
         D, me = self.num_ranks, self.rank
         dest = p.replica_rank_R[active]
-        idx = torch.from_numpy(p.replica_expert_R[active].copy()).to(self.shards_EP.device)
-        buf = self.shards_EP.index_select(0, idx)  # my shard of every active slot, by (rank, slot)
+        experts = p.replica_expert_R[active]
+        # my shard of every active slot, by (rank, slot): the shards as they are when every expert
+        # has one slot, in expert order (the common case: no gather, no scatter in backward)
+        idx = None if np.array_equal(experts, np.arange(self.num_experts)) else _ShardRows(experts, self.num_experts,
+                                                                                         self.shards_EP.device)
         mine = active[dest == me]
         n_send = np.bincount(dest, minlength=D)
         traffic_DD = np.broadcast_to(n_send, (D, D))  # every rank sends its shard of every active slot
-        got = exchange(buf, n_send.tolist(), [int(mine.size)] * D, traffic_DD)  # [D * n_mine, shard], by source
-        full = got.view(D, mine.size, self.shard).transpose(0, 1).reshape(mine.size, -1)
-        return {int(s): self.unflatten(full[i, :self.flat_size]) for i, s in enumerate(p.replica_slot_R[mine])}, got
+        anchor, *tensors = _Materialize.apply(self.shards_EP, idx, exchange, n_send.tolist(), int(mine.size),
+                                              traffic_DD, self.flat_size, self.numels)
+        k = len(self.names)
+        return {int(s): {n: t.view(shape) for n, t, shape in zip(self.names, tensors[i * k:(i + 1) * k], self.shapes)}
+                for i, s in enumerate(p.replica_slot_R[mine])}, anchor
+
+
+class _Materialize(torch.autograd.Function):
+    """FSEP slots from shards through one exchange, as one autograd node.
+
+    forward: shards [E, shard] -> (empty anchor, then for each of this rank's n slots the flat
+    pieces of its parameters). backward: the slot gradients go straight into the reverse
+    exchange's send buffer, and what comes back lands on the shards. (Slicing the gathered buffer
+    with differentiable views instead costs a zero-filled full-size gradient per view.) Every rank
+    with active slots anywhere runs this node in backward through the anchor, even with n = 0."""
+
+    @staticmethod
+    def forward(ctx, shards_EP, idx, exchange, n_send, n_mine, traffic_DD, flat_size, numels):
+        D, shard = len(n_send), shards_EP.shape[1]
+        buf = shards_EP if idx is None else shards_EP.index_select(0, idx.rows)
+        got = exchange(buf, n_send, [n_mine] * D, traffic_DD)  # [D * n, shard], by source
+        full = got.view(D, n_mine, shard).transpose(0, 1).reshape(n_mine, D * shard)
+        ctx.meta = (idx, exchange, n_send, n_mine, traffic_DD, shards_EP, numels, flat_size)
+        ctx.set_materialize_grads(False)
+        pieces = [t for i in range(n_mine) for t in torch.split(full[i, :flat_size], numels)]
+        return (full.new_empty(0), *pieces)
+
+    @staticmethod
+    def backward(ctx, _anchor_grad, *grads):
+        idx, exchange, n_send, n_mine, traffic_DD, shards_EP, numels, flat_size = ctx.meta
+        D, shard = len(n_send), shards_EP.shape[1]
+        flat = shards_EP.new_empty((n_mine, D * shard))
+        flat[:, flat_size:] = 0  # the padding of the last shard
+        k = len(numels)
+        for i in range(n_mine):
+            for g, piece in zip(grads[i * k:(i + 1) * k], torch.split(flat[i, :flat_size], numels)):
+                if g is None:  # a parameter that took no part (ctx.set_materialize_grads(False))
+                    piece.zero_()
+                else:
+                    piece.copy_(g.reshape(-1))
+        send = flat.view(n_mine, D, shard).transpose(0, 1).reshape(D * n_mine, shard)
+        back = exchange(send, [n_mine] * D, n_send, np.ascontiguousarray(traffic_DD.T))  # my shard of each slot
+        return (back.view(shards_EP.shape) if idx is None else idx.scatter(back)), None, None, None, None, None, None, None
+
+
+class _ShardRows:
+    """The shard rows an exchange sends (`rows`, torch int64) and how their gradients go back:
+    a gather by the inverse permutation when every expert is sent once, else sums into zeros."""
+
+    def __init__(self, rows_N: np.ndarray, E: int, device):
+        self.E = E
+        self.rows = torch.from_numpy(rows_N.astype(np.int64)).to(device)
+        self.inverse = None
+        if rows_N.size == E and np.array_equal(np.sort(rows_N), np.arange(E)):
+            inv = np.empty(E, dtype=np.int64)
+            inv[rows_N] = np.arange(E)
+            self.inverse = torch.from_numpy(inv).to(device)
+
+    def scatter(self, grad_N: torch.Tensor) -> torch.Tensor:
+        """[E, ...]: grad_N's rows summed into the rows they were taken from."""
+        if self.inverse is not None:
+            return grad_N.index_select(0, self.inverse)
+        return grad_N.new_zeros((self.E,) + tuple(grad_N.shape[1:])).index_add_(0, self.rows, grad_N)

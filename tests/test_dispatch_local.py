@@ -107,6 +107,42 @@ def test_receive_order_groups_rows_by_slot(policy):
         assert (order is None) == already  # a permutation only where the rows need one
 
 
+def test_rows_with_inverse_backward_equals_advanced_indexing():
+    """rows(x, order, inverse) differentiates by a gather; autograd's own x[order] is the reference."""
+    rng = np.random.default_rng(3)
+    for n in (0, 1, 7, 50):
+        order = torch.from_numpy(rng.permutation(n))
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(n)
+        x = torch.randn(n, 5, dtype=torch.float64, requires_grad=True)
+        w = torch.randn(n, 5, dtype=torch.float64)
+        (rows(x, order, inverse) * w).sum().backward()
+        ours = x.grad.clone()
+        x.grad = None
+        (x[order] * w).sum().backward()
+        assert torch.equal(rows(x, order, inverse), x[order]) and torch.equal(ours, x.grad)
+
+
+@pytest.mark.parametrize("kind", ["permutation", "subset", "repeats"])
+def test_shard_rows_scatter_sums_gradients_into_their_rows(kind):
+    """The FSEP exchange's shard-row gradients back onto [E, ...]: a dense float64 loop is the reference."""
+    from megatron_rails.experts import _ShardRows
+
+    rng = np.random.default_rng(11)
+    for _ in range(20):
+        n_E = 9
+        taken = {"permutation": rng.permutation(n_E), "subset": rng.permutation(n_E)[:rng.integers(0, n_E)],
+                 "repeats": rng.integers(0, n_E, size=rng.integers(1, 3 * n_E))}[kind]
+        sr = _ShardRows(taken, n_E, torch.device("cpu"))
+        assert (sr.inverse is not None) == (kind == "permutation")
+        g = torch.randn(taken.size, 4, dtype=torch.float64)
+        ref = torch.zeros(n_E, 4, dtype=torch.float64)
+        for i, e in enumerate(taken):
+            ref[e] += g[i]
+        assert torch.equal(sr.rows, torch.from_numpy(taken.astype(np.int64)))
+        assert torch.allclose(sr.scatter(g), ref, rtol=0, atol=1e-12)
+
+
 def test_bench_local_runs_and_checks_the_send_order(tmp_path):
     out = tmp_path / "local.json"
     res = bench_local(str(out), shape_name="tiny", reps=2)
