@@ -112,11 +112,29 @@ def _worker(rank, world, store, reps, out):
                 r = rows[-1]
                 print(f"  {skew:9s} {policy:8s} {r['ms_p50']:7.1f} ms  max/mean {r['max_over_mean_before']:.3f}"
                       f" -> {r['max_over_mean_after']:.3f}", file=sys.stderr, flush=True)
+    floor = _weight_exchange_ms(layers["fsep"].token_dispatcher.store, reps)
     if rank == 0:
         with open(out, "w") as f:
-            json.dump(rows, f)
+            json.dump({"rows": rows, "fsep_weight_exchange": floor}, f)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _weight_exchange_ms(store, reps: int) -> dict:
+    """The floor under fsep's overhead here: one bare all-to-all of the size of its weight exchange
+    (every rank's shard of every expert, one slot each), timed alone; a layer step has two."""
+    buf = store.shards_EP.detach().clone()
+    D = dist.get_world_size()
+    split = [buf.shape[0] // D] * D
+    times = []
+    for it in range(reps + WARMUP):
+        dist.barrier()
+        t0 = time.perf_counter()
+        store.exchange(buf, split, split)
+        dist.barrier()
+        if it >= WARMUP:
+            times.append(time.perf_counter() - t0)
+    return {"bytes_per_rank": buf.numel() * buf.element_size(), "ms_p50": float(np.median(times) * 1e3)}
 
 
 def bench_dispatcher(out: str, reps: int = 20, world: int = 4) -> dict:
@@ -126,11 +144,15 @@ def bench_dispatcher(out: str, reps: int = 20, world: int = 4) -> dict:
     with tempfile.TemporaryDirectory(prefix="rails-bench-") as rdzv:  # a file rendezvous: no port to race for
         mp.start_processes(_worker, args=(world, f"{rdzv}/store", reps, tmp), nprocs=world, start_method="spawn")
     with open(tmp) as f:
-        rows = json.load(f)
+        got = json.load(f)
     os.remove(tmp)
+    rows = got["rows"]
     res = {"meta": {"command": "megatron-rails bench dispatcher", "world": world, "shape": SHAPE, "reps": reps,
                     "note": "CPU gloo timings of one MoE layer forward+backward; not GPU figures. "
-                            "overhead_vs_none: median over rounds of (this policy / none in the same round) - 1"},
+                            "overhead_vs_none: median over rounds of (this policy / none in the same round) - 1. "
+                            "fsep_weight_exchange: one bare all-to-all the size of fsep's weight gather (a layer "
+                            "step has two: the gather and the gradients back)",
+                    "fsep_weight_exchange": got["fsep_weight_exchange"]},
            "rows": rows,
            "targets": {
                "uniform_overhead_le_5pct": {r["policy"]: r["overhead_vs_none"] <= 0.05

@@ -69,3 +69,32 @@ def test_demo_json(tmp_path):
     assert {"loss_max_abs_diff", "imbalance_before", "imbalance_after", "plan_us_p50"} <= set(res)
     assert res["loss_max_rel_diff"] < 1e-5 and res["imbalance_after"] < res["imbalance_before"]
     assert png.stat().st_size > 10_000
+
+
+def test_bench_dispatcher_quick(tmp_path):
+    """Structure and the quantities that follow from the shape alone (not timings)."""
+    out = tmp_path / "d.json"
+    run("bench", "dispatcher", "--quick", "--out", str(out))
+    res = json.loads(out.read_text())
+    H, F, E, T, k, D = 256, 512, 8, 1024, 2, res["meta"]["world"]
+    assert res["meta"]["shape"] == {"hidden": H, "ffn": F, "experts": E, "topk": k, "tokens": T}
+    rows = {(r["policy"], r["skew"]): r for r in res["rows"]}
+    policies = ["none", "eplb", "ultraep", "lp", "fsep", "fsep+rails"]
+    assert set(rows) == {(p, s) for p in policies for s in ("uniform", "zipf:1.2")}
+    expert_bytes = 3 * H * F * 4  # SwiGLU expert in fp32: fc1 [2F, H] and fc2 [H, F]
+    for (policy, skew), r in rows.items():
+        assert r["ms_p50"] > 0 and r["plan_us_p50"] > 0
+        assert r["max_over_mean_after"] <= r["max_over_mean_before"] + 1e-9, (policy, skew)
+        if policy == "none":
+            assert r["overhead_vs_none"] == 0 and r["weight_bytes_per_layer"] == 0
+            assert r["max_over_mean_after"] == r["max_over_mean_before"]
+        if policy.startswith("fsep") and skew == "uniform":
+            # one slot per expert, each gathering the (D-1)/D of it held elsewhere
+            assert r["weight_bytes_per_layer"] == E * expert_bytes * (D - 1) // D
+        if policy != "none" and skew != "uniform":
+            assert r["max_over_mean_after"] <= 1.05 and res["targets"]["zipf_max_over_mean_le_1_05"][policy]
+    assert rows[("none", "zipf:1.2")]["max_over_mean_before"] > 1.5  # the skew is real
+    for policy in policies:
+        assert res["targets"]["uniform_overhead_le_5pct"][policy] == (rows[(policy, "uniform")]["overhead_vs_none"] <= 0.05)
+    floor = res["meta"]["fsep_weight_exchange"]
+    assert floor["bytes_per_rank"] == E * -(-3 * H * F // D) * 4 and floor["ms_p50"] > 0
