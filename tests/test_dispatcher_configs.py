@@ -2,8 +2,6 @@
 of tests/test_dispatcher.py: biases, a non-gated activation, top-1 (probs on the output or on the
 input), top-k = E, a sigmoid router with expert bias, and router-side token drops (capacity). The
 reference is the stock allgather dispatcher with identical weights; every policy, fp32, 1e-5."""
-import os
-
 import numpy as np
 import torch
 
@@ -78,5 +76,4 @@ def _worker(rank, world, routings):
 
 
 def test_parity_across_moe_settings():
-    scale = float(os.environ.get("MEGATRON_RAILS_TEST_SCALE", "1"))
-    spawn(_worker, 4, max(2, int(4 * scale)))
+    spawn(_worker, 4, 2)  # per setting and policy: one near-uniform routing, one skewed
