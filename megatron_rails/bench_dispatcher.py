@@ -60,7 +60,7 @@ def _skew_router(weight_EH: torch.Tensor, u_H: torch.Tensor, s: float) -> None:
     weight_EH += torch.outer(alpha, u_H) / 2.0  # x carries 2 u
 
 
-def _worker(rank, world, store, reps, out):
+def _worker(rank, world, store, reps, warmup, out):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     import megatron_rails
@@ -82,9 +82,9 @@ def _worker(rank, world, store, reps, out):
             layer.token_dispatcher.recent_plans = 0  # the same batch every rep: still plan every time
             _skew_router(layer.router.weight, u, s)
         # rounds over all policies (the order rotating), so that slow spells of a shared machine
-        # hit every policy alike; the first WARMUP rounds are not timed
+        # hit every policy alike; the first `warmup` rounds are not timed
         times = {policy: [] for policy in POLICIES}
-        for it in range(reps + WARMUP):
+        for it in range(reps + warmup):
             k = it % len(POLICIES)
             for policy in POLICIES[k:] + POLICIES[:k]:
                 x = x0.clone().requires_grad_(True)
@@ -93,7 +93,7 @@ def _worker(rank, world, store, reps, out):
                 y, _ = layers[policy](x)
                 y.sum().backward()
                 dist.barrier()
-                if it >= WARMUP:
+                if it >= warmup:
                     times[policy].append(time.perf_counter() - t0)
         for policy in POLICIES:
             layer = layers[policy]
@@ -112,7 +112,7 @@ def _worker(rank, world, store, reps, out):
                 r = rows[-1]
                 print(f"  {skew:9s} {policy:8s} {r['ms_p50']:7.1f} ms  max/mean {r['max_over_mean_before']:.3f}"
                       f" -> {r['max_over_mean_after']:.3f}", file=sys.stderr, flush=True)
-    floor = _weight_exchange_ms(layers["fsep"].token_dispatcher.store, reps)
+    floor = _weight_exchange_ms(layers["fsep"].token_dispatcher.store, reps, warmup)
     if rank == 0:
         with open(out, "w") as f:
             json.dump({"rows": rows, "fsep_weight_exchange": floor}, f)
@@ -120,34 +120,34 @@ def _worker(rank, world, store, reps, out):
     dist.destroy_process_group()
 
 
-def _weight_exchange_ms(store, reps: int) -> dict:
+def _weight_exchange_ms(store, reps: int, warmup: int) -> dict:
     """The floor under fsep's overhead here: one bare all-to-all of the size of its weight exchange
     (every rank's shard of every expert, one slot each), timed alone; a layer step has two."""
     buf = store.shards_EP.detach().clone()
     D = dist.get_world_size()
     split = [buf.shape[0] // D] * D
     times = []
-    for it in range(reps + WARMUP):
+    for it in range(reps + warmup):
         dist.barrier()
         t0 = time.perf_counter()
         store.exchange(buf, split, split)
         dist.barrier()
-        if it >= WARMUP:
+        if it >= warmup:
             times.append(time.perf_counter() - t0)
     return {"bytes_per_rank": buf.numel() * buf.element_size(), "ms_p50": float(np.median(times) * 1e3)}
 
 
-def bench_dispatcher(out: str, reps: int = 20, world: int = 4) -> dict:
+def bench_dispatcher(out: str, reps: int = 20, world: int = 4, warmup: int = WARMUP) -> dict:
     tmp = out + ".rows"
     print(f"dispatcher bench: {world} gloo ranks, hidden {SHAPE['hidden']}, ffn {SHAPE['ffn']}, "
           f"{SHAPE['experts']} experts top-{SHAPE['topk']}, {SHAPE['tokens']} tokens/rank", file=sys.stderr)
     with tempfile.TemporaryDirectory(prefix="rails-bench-") as rdzv:  # a file rendezvous: no port to race for
-        mp.start_processes(_worker, args=(world, f"{rdzv}/store", reps, tmp), nprocs=world, start_method="spawn")
+        mp.start_processes(_worker, args=(world, f"{rdzv}/store", reps, warmup, tmp), nprocs=world, start_method="spawn")
     with open(tmp) as f:
         got = json.load(f)
     os.remove(tmp)
     rows = got["rows"]
-    res = {"meta": {"command": "megatron-rails bench dispatcher", "world": world, "shape": SHAPE, "reps": reps,
+    res = {"meta": {"command": "megatron-rails bench dispatcher", "world": world, "shape": SHAPE, "reps": reps, "warmup": warmup,
                     "note": "CPU gloo timings of one MoE layer forward+backward; not GPU figures. "
                             "overhead_vs_none: median over rounds of (this policy / none in the same round) - 1. "
                             "fsep_weight_exchange: one bare all-to-all the size of fsep's weight gather (a layer "

@@ -71,7 +71,7 @@ def cmd_bench(args) -> int:
     if args.what == "dispatcher":
         from .bench_dispatcher import bench_dispatcher
 
-        bench_dispatcher(args.out, reps=3 if args.quick else 20)
+        bench_dispatcher(args.out, **(dict(reps=2, warmup=1) if args.quick else {}))
         return 0
     if args.what == "rails":
         from .rails.bench import bench_rails
