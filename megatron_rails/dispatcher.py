@@ -29,7 +29,7 @@ from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 
 from .comm import all_gather_counts, collective_device, make_comm
 from .config import PolicyConfig
-from .experts import ExpertStore, ShardedExpertStore
+from .experts import ExpertStore, ShardedExpertStore, permutation_and_inverse
 from .faults import maybe_fault
 from .megatron import metrics as rails_metrics
 from .plan import SHARDED, PlanError, imbalance, stock_load_D
@@ -119,11 +119,8 @@ def receive_order(plan, me: int, device) -> tuple[Optional[torch.Tensor], Option
     if (np.diff(run_slot) >= 0).all():  # the rows already arrive grouped by slot
         return None, None, per_slot
     # the received runs (source-major, slot-minor), taken slot-major
-    both = np.empty((2, int(per_slot.sum())), dtype=np.int64)  # the permutation and its inverse, one copy
-    both[0] = order = segment_order(n_DS.ravel(), np.arange(D * S).reshape(D, S).T.ravel())
-    both[1, order] = np.arange(order.size)
-    order_t, inverse_t = torch.from_numpy(both).to(device).unbind(0)
-    return order_t, inverse_t, per_slot
+    order = segment_order(n_DS.ravel(), np.arange(D * S).reshape(D, S).T.ravel())
+    return (*permutation_and_inverse(order, device), per_slot)
 
 
 def rows(x: torch.Tensor, index: Optional[torch.Tensor], inverse: Optional[torch.Tensor] = None) -> torch.Tensor:

@@ -24,6 +24,27 @@ from .megatron.expert_kinds import ExpertKind, expert_kind
 from .plan import Plan, owner_of_experts
 
 
+def permutation_and_inverse(order_N: np.ndarray, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """A permutation (numpy) and its inverse as int64 tensors on `device`, in one host-to-device copy."""
+    both = np.empty((2, order_N.size), dtype=np.int64)
+    both[0] = order_N
+    both[1, order_N] = np.arange(order_N.size)
+    order_t, inverse_t = torch.from_numpy(both).to(device).unbind(0)
+    return order_t, inverse_t
+
+
+def _slot_major(got: torch.Tensor, D: int, n: int) -> torch.Tensor:
+    """[D * n, shard] received by source rank -> [n, D * shard]: every slot's D shards in a row."""
+    shard = got.shape[-1]
+    return got.view(D, n, shard).transpose(0, 1).reshape(n, D * shard)
+
+
+def _rank_major(flat: torch.Tensor, D: int) -> torch.Tensor:
+    """The inverse of _slot_major: [n, D * shard] -> [D * n, shard], shard k of every slot for rank k."""
+    n, shard = flat.shape[0], flat.shape[1] // D
+    return flat.view(n, D, shard).transpose(0, 1).reshape(D * n, shard)
+
+
 class _ToMainGrad(torch.autograd.Function):
     """Identity on a view of an owner parameter whose gradient goes straight into the same view of
     `param.main_grad`. Megatron's DDP adds `param.grad` to `main_grad` only when the module did not
@@ -198,7 +219,7 @@ class ShardedExpertStore(ExpertStore):
         n_D = np.bincount(self.owner_E, minlength=D)
         owned = self._owned()
         got = self.exchange(src.detach(), n_D.tolist(), [len(owned)] * D)  # [D * owned, shard], by rank
-        full = got.view(D, len(owned), self.shard).transpose(0, 1).reshape(len(owned), -1)
+        full = _slot_major(got, D, len(owned))
         return [full[i, :self.flat_size] for i in range(len(owned))]
 
     @torch.no_grad()
@@ -272,10 +293,10 @@ class _Materialize(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, shards_EP, idx, exchange, n_send, n_mine, traffic_DD, flat_size, numels):
-        D, shard = len(n_send), shards_EP.shape[1]
+        D = len(n_send)
         buf = shards_EP if idx is None else shards_EP.index_select(0, idx.rows)
         got = exchange(buf, n_send, [n_mine] * D, traffic_DD)  # [D * n, shard], by source
-        full = got.view(D, n_mine, shard).transpose(0, 1).reshape(n_mine, D * shard)
+        full = _slot_major(got, D, n_mine)
         ctx.meta = (idx, exchange, n_send, n_mine, traffic_DD, shards_EP, numels, flat_size)
         ctx.set_materialize_grads(False)
         pieces = [t for i in range(n_mine) for t in torch.split(full[i, :flat_size], numels)]
@@ -294,8 +315,7 @@ class _Materialize(torch.autograd.Function):
                     piece.zero_()
                 else:
                     piece.copy_(g.reshape(-1))
-        send = flat.view(n_mine, D, shard).transpose(0, 1).reshape(D * n_mine, shard)
-        back = exchange(send, [n_mine] * D, n_send, np.ascontiguousarray(traffic_DD.T))  # my shard of each slot
+        back = exchange(_rank_major(flat, D), [n_mine] * D, n_send, np.ascontiguousarray(traffic_DD.T))  # my shard of each slot
         return (back.view(shards_EP.shape) if idx is None else idx.scatter(back)), None, None, None, None, None, None, None
 
 
@@ -305,12 +325,10 @@ class _ShardRows:
 
     def __init__(self, rows_N: np.ndarray, E: int, device):
         self.E = E
-        self.rows = torch.from_numpy(rows_N.astype(np.int64)).to(device)
-        self.inverse = None
         if rows_N.size == E and np.array_equal(np.sort(rows_N), np.arange(E)):
-            inv = np.empty(E, dtype=np.int64)
-            inv[rows_N] = np.arange(E)
-            self.inverse = torch.from_numpy(inv).to(device)
+            self.rows, self.inverse = permutation_and_inverse(rows_N, device)
+        else:
+            self.rows, self.inverse = torch.from_numpy(rows_N.astype(np.int64)).to(device), None
 
     def scatter(self, grad_N: torch.Tensor) -> torch.Tensor:
         """[E, ...]: grad_N's rows summed into the rows they were taken from."""
