@@ -23,7 +23,7 @@ def main(argv=None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE, file=sys.stdout if argv else sys.stderr)
         return 0 if argv else 2
-    from .config import ConfigError
+    from .core.policy import ConfigError
     from .megatron.launch_hooks import LaunchError, run_script
 
     try:

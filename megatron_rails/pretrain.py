@@ -54,8 +54,8 @@ def main(argv=None) -> int:
     ap.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     args = ap.parse_args(argv)
 
-    from .config import ConfigError
-    from .runconfig import load_run_config
+    from .core.policy import ConfigError
+    from .config.run import load_run_config
 
     def fail(msg: str) -> int:
         print(f"megatron_rails.pretrain: error: {msg}", file=sys.stderr)
@@ -67,7 +67,7 @@ def main(argv=None) -> int:
         return fail(str(err))
     if rc.parallelism.backend != "nccl":
         return fail(f"{args.run_config}: parallelism.backend is {rc.parallelism.backend}; CPU (gloo) run configs "
-                    "run with megatron_rails.train_demo")
+                    "run with megatron_rails.demo.train")
     script = str(Path(args.megatron_lm or "Megatron-LM") / "pretrain_gpt.py")
     if args.print_args:
         print(shlex.join(["python", "-m", "megatron_rails.launch", *launch_argv(rc, script, extra)]))

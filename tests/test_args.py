@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 import megatron_rails
-from megatron_rails.config import ConfigError, PolicyConfig
+from megatron_rails.core.policy import ConfigError, PolicyConfig
 from megatron_rails.megatron import add_arguments, chain_extra_args, install_from_args
 from megatron_rails.megatron.args import FLAGS, policy_from_args
 
@@ -149,7 +149,7 @@ def test_chain_extra_args_keeps_megatrons_provider():
 def test_install_from_args_swaps_the_dispatcher(policy_yaml):
     from megatron.core.transformer.moe import moe_layer
 
-    from megatron_rails.dispatcher import RailsTokenDispatcher
+    from megatron_rails.megatron.dispatcher import RailsTokenDispatcher
 
     stock, default_policy = moe_layer.MoEAlltoAllTokenDispatcher, RailsTokenDispatcher.policy_config
     args = parse(["--rails-config", str(policy_yaml), "--moe-balancer", "ultraep", "--moe-balancer-slots", "1"])
@@ -166,7 +166,7 @@ def test_install_from_args_swaps_the_dispatcher(policy_yaml):
 
 
 def _layer_worker(rank, world, argv):
-    from megatron_rails.dispatcher import RailsTokenDispatcher
+    from megatron_rails.megatron.dispatcher import RailsTokenDispatcher
 
     args = parse(argv)
     cfg = install_from_args(args, quiet=True)
@@ -546,7 +546,7 @@ from megatron.training import arguments, initialize, training
 
 def report(*args, **kwargs):
     from megatron.core.transformer.moe import moe_layer
-    from megatron_rails.dispatcher import RailsTokenDispatcher
+    from megatron_rails.megatron.dispatcher import RailsTokenDispatcher
     installed = moe_layer.MoEAlltoAllTokenDispatcher is RailsTokenDispatcher
     print("DRYRUN", installed, RailsTokenDispatcher.policy_config if installed else None, flush=True)
     sys.exit(0)

@@ -3,7 +3,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_rails.config import ConfigError, PolicyConfig
+from megatron_rails.core.policy import ConfigError, PolicyConfig
 
 POLICY_DIR = Path(__file__).resolve().parent.parent / "configs" / "policies"
 

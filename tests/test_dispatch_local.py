@@ -5,10 +5,10 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_rails.bench_local import bench_local
-from megatron_rails.config import PolicyConfig
-from megatron_rails.dispatcher import order_pairs, receive_order, rows, segment_order, sum_pairs
-from megatron_rails.planners import make_planner
+from megatron_rails.bench.local import bench_local
+from megatron_rails.core.policy import PolicyConfig
+from megatron_rails.runtime.local import order_pairs, receive_order, rows, segment_order, sum_pairs
+from megatron_rails.core.planners import make_planner
 
 POLICIES = ["none", "eplb", "ultraep", "lp", "fsep"]
 D, E = 4, 8
@@ -126,7 +126,7 @@ def test_rows_with_inverse_backward_equals_advanced_indexing():
 @pytest.mark.parametrize("kind", ["permutation", "subset", "repeats"])
 def test_shard_rows_scatter_sums_gradients_into_their_rows(kind):
     """The FSEP exchange's shard-row gradients back onto [E, ...]: a dense float64 loop is the reference."""
-    from megatron_rails.experts import _ShardRows
+    from megatron_rails.runtime.experts import _ShardRows
 
     rng = np.random.default_rng(11)
     for _ in range(20):
@@ -158,7 +158,7 @@ def test_bench_local_runs_and_checks_the_send_order(tmp_path):
 
 def test_collective_device_follows_the_backend(monkeypatch):
     """Bookkeeping tensors of a collective go where the backend takes them: CUDA under NCCL alone."""
-    import megatron_rails.comm as comm
+    import megatron_rails.runtime.comm as comm
 
     monkeypatch.setattr(comm.torch.cuda, "current_device", lambda: 3)
     for backend, want in (("nccl", torch.device("cuda", 3)), ("gloo", torch.device("cpu")),

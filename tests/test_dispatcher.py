@@ -117,7 +117,7 @@ def test_parity_with_stock_allgather_rails_comm(world):
 
 def _spec_worker(rank, world):
     from megatron_rails.megatron.compat import rails_gpt_layer_local_spec
-    from megatron_rails.train_demo import DemoShape, build_model, train_steps
+    from megatron_rails.demo.train import DemoShape, build_model, train_steps
 
     shape = DemoShape(layers=1)
     spec = rails_gpt_layer_local_spec(shape.experts, moe_grouped_gemm=False, normalization="RMSNorm")

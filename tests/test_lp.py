@@ -19,11 +19,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from megatron_rails.oracle import lp_min_max, slot_budget_lower_bound, time_vs_oracle
-from megatron_rails.plan import Placement, PlanError, owner_of_experts
-from megatron_rails.planners import PlannerConfig, make_planner
-from megatron_rails.planners.flow import min_max_quotas
-from megatron_rails.planners.lp import LpPlanner, highs_quotas, static_placement
+from megatron_rails.core.oracle import lp_min_max, slot_budget_lower_bound, time_vs_oracle
+from megatron_rails.core.plan import Placement, PlanError, owner_of_experts
+from megatron_rails.core.planners import PlannerConfig, make_planner
+from megatron_rails.core.planners.flow import min_max_quotas
+from megatron_rails.core.planners.lp import LpPlanner, highs_quotas, static_placement
 
 
 # -- instances ---------------------------------------------------------------------------------------
@@ -244,7 +244,7 @@ def test_lower_bound_matches_definition(seed):
 
 
 def test_lower_bound_merged_ranks_equal_full_lp():
-    from megatron_rails.oracle import _slot_lp, _slot_lp_merged
+    from megatron_rails.core.oracle import _slot_lp, _slot_lp_merged
 
     rng = np.random.default_rng(5)
     # all tokens on rank 0's many light experts: the mean is out of reach (so no shortcut proves
@@ -308,7 +308,7 @@ def test_highs_path_and_fallback(monkeypatch):
     quota, t_int, _ = highs_quotas(counts.sum(0), flow_plan.placement)
     check_quotas(counts.sum(0), flow_plan.placement, quota, t_int)
 
-    import megatron_rails.planners.lp as lp_mod
+    import megatron_rails.core.planners.lp as lp_mod
 
     def broken(*a, **k):
         raise RuntimeError("boom")
@@ -327,8 +327,8 @@ def test_time_vs_oracle_smoke():
 def test_plan_digest_identical_in_subprocess():
     code = textwrap.dedent("""
         import numpy as np
-        from megatron_rails.planners import PlannerConfig, make_planner
-        from megatron_rails.planners.flow import min_max_quotas
+        from megatron_rails.core.planners import PlannerConfig, make_planner
+        from megatron_rails.core.planners.flow import min_max_quotas
         rng = np.random.default_rng(9)
         counts = rng.multinomial(5000, rng.dirichlet(np.ones(24) * 0.2), size=8).astype(np.int64)
         for pl in ("static", "ultraep"):

@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_rails.plan import Placement, Plan, PlanError, imbalance, owner_of_experts
+from megatron_rails.core.plan import Placement, Plan, PlanError, imbalance, owner_of_experts
 
 
 def small():

@@ -12,8 +12,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from megatron_rails.plan import OWNER, SHARDED, PlanError
-from megatron_rails.planners import POLICIES, PlannerConfig, PlannerError, make_planner
+from megatron_rails.core.plan import OWNER, SHARDED, PlanError
+from megatron_rails.core.planners import POLICIES, PlannerConfig, PlannerError, make_planner
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -57,7 +57,7 @@ def check_plan(plan, cfg, counts):
     plan.validate()  # the model's own checks, which planners' trusted fast paths skip
     p = plan.placement
     # a trusted replica table must equal the one rebuilt from the slot table
-    from megatron_rails.plan import _replica_table
+    from megatron_rails.core.plan import _replica_table
 
     for a, b in zip(p._replicas, _replica_table(p.slot_expert_DS, p.num_experts)):
         np.testing.assert_array_equal(a, b)
@@ -214,8 +214,8 @@ def test_eplb_replans_on_interval_and_uses_history():
 def test_plan_hash_identical_across_processes():
     code = textwrap.dedent("""
         import numpy as np
-        from megatron_rails.planners import PlannerConfig, make_planner
-        from megatron_rails.planners import POLICIES
+        from megatron_rails.core.planners import PlannerConfig, make_planner
+        from megatron_rails.core.planners import POLICIES
         rng = np.random.default_rng(7)
         counts = rng.multinomial(4000, rng.dirichlet(np.ones(16) * 0.3), size=8).astype(np.int64)
         for pol in POLICIES:

@@ -56,7 +56,7 @@ def _worker(rank, world, shapes, cases):
 
 def _sprays(T, topo, tol) -> bool:
     """Reference: the direct schedule's busiest rail against the even spread over each node's rails."""
-    from megatron_rails.rails.sim import direct_schedule
+    from megatron_rails.sim.rails import direct_schedule
 
     d = direct_schedule(T, topo)
     N = topo.rails_per_node
@@ -66,10 +66,10 @@ def _sprays(T, topo, tol) -> bool:
 
 
 def _check_topology(rank, world, G, N, cases, tol):
-    from megatron_rails.rails.alltoall import RailsAllToAll
-    from megatron_rails.rails.schedule import rails_schedule
-    from megatron_rails.rails.sim import direct_schedule
-    from megatron_rails.rails.topology import Topology
+    from megatron_rails.runtime.comm.rails import RailsAllToAll
+    from megatron_rails.core.rails_schedule import rails_schedule
+    from megatron_rails.sim.rails import direct_schedule
+    from megatron_rails.core.topology import Topology
 
     topo = Topology(gpus_per_node=G, rails_per_node=N)
     a2a = RailsAllToAll(dist.group.WORLD, topo, tolerance=tol)

@@ -10,13 +10,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from megatron_rails import cli
-from megatron_rails.planners import PlannerError
-from megatron_rails.rails.schedule import rails_schedule
-from megatron_rails.rails.sim import (SCHEMES, direct_schedule, ecmp_rail, ecmp_schedule, lower_bound_us,
-                                      resource_loads, simulate)
-from megatron_rails.rails.topology import Topology, load_topology
-from megatron_rails.rails.traffic import TrafficError, make_traffic, parse_traffic
+from megatron_rails.cli.main import main as cli
+from megatron_rails.core.planners import PlannerError
+from megatron_rails.core.rails_schedule import rails_schedule
+from megatron_rails.sim.rails import (SCHEMES, direct_schedule, ecmp_rail, ecmp_schedule, lower_bound_us, resource_loads, simulate)
+from megatron_rails.core.topology import Topology, load_topology
+from megatron_rails.sim.traffic import TrafficError, make_traffic, parse_traffic
 
 ROOT = Path(__file__).resolve().parents[1]
 # (nodes, gpus_per_node, rails_per_node): the virtual topologies of the issue, plus two GPUs per rail
@@ -94,7 +93,7 @@ def reference_schedule(T, topo):
                     cap[rr] -= take
                     left -= take
                     emit(a, b, ii, jj, rr, take)
-    from megatron_rails.rails.schedule import RailSchedule
+    from megatron_rails.core.rails_schedule import RailSchedule
 
     return RailSchedule.from_chunks(topo, T, *cols)
 
@@ -319,7 +318,7 @@ KEYS = {"scheme", "completion_us", "lower_bound_us", "busbw_gbps", "busbw_GBps",
 
 
 def test_simulate_a2a_json_entry_point():
-    p = subprocess.run([sys.executable, "-m", "megatron_rails.cli", "simulate", "a2a", "--topology", "dgx-h100",
+    p = subprocess.run([sys.executable, "-m", "megatron_rails.cli.main", "simulate", "a2a", "--topology", "dgx-h100",
                         "--nodes", "2", "--traffic", "zipf:1.2", "--tokens-per-rank", "512", "--json"],
                        capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr
@@ -353,7 +352,7 @@ def test_simulate_a2a_errors_are_clear(argv, words, capsys):
 
 
 def test_bench_rails_quick(tmp_path):
-    from megatron_rails.rails.bench import bench_rails
+    from megatron_rails.bench.rails import bench_rails
 
     out = tmp_path / "r.json"
     res = bench_rails(str(out), quick=True)
@@ -407,7 +406,7 @@ def test_doc_command_runs(cmd, tmp_path, capsys, monkeypatch):
 
 
 def test_doc_lists_commands_and_the_committed_results():
-    from megatron_rails.rails.bench import markdown_tables
+    from megatron_rails.bench.rails import markdown_tables
 
     cmds = doc_commands()
     assert any(c.startswith("megatron-rails simulate a2a") for c in cmds)
@@ -434,7 +433,7 @@ def test_doc_topology_keys_match_the_dataclass():
             assert float(default) == f.default, f.name
 
 def test_doc_quoted_figures():
-    from megatron_rails.cli_sim import run_a2a
+    from megatron_rails.cli.sim import run_a2a
 
     def rows(*argv):
         args = cli.build_parser().parse_args(["simulate", "a2a", *argv])

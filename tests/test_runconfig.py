@@ -9,16 +9,16 @@ from pathlib import Path
 import pytest
 import yaml
 
-from megatron_rails.config import ConfigError, PolicyConfig
-from megatron_rails.rails.topology import Topology
-from megatron_rails.runconfig import RunConfig, load_any, load_run_config
+from megatron_rails.core.policy import ConfigError, PolicyConfig
+from megatron_rails.core.topology import Topology
+from megatron_rails.config.run import RunConfig, load_any, load_run_config
 
 ROOT = Path(__file__).resolve().parent.parent
 MINI = ROOT / "configs" / "mini" / "mini-mixtral.yaml"
 M8x7 = ROOT / "configs" / "mixtral" / "mixtral-8x7b.yaml"
 M8x22 = ROOT / "configs" / "mixtral" / "mixtral-8x22b.yaml"
 ALL = sorted((ROOT / "configs").glob("**/*.yaml"))
-CLI = [sys.executable, "-m", "megatron_rails.cli"]
+CLI = [sys.executable, "-m", "megatron_rails.cli.main"]
 
 
 @pytest.mark.parametrize("path", ALL, ids=lambda p: str(p.relative_to(ROOT / "configs")))
@@ -180,7 +180,7 @@ def test_kinds(tmp_path):
 
 
 def test_train_demo_accepts_mini_and_explains_the_rest():
-    from megatron_rails.train_demo import DemoShape, from_run_config
+    from megatron_rails.demo.train import DemoShape, from_run_config
 
     for f in ("mini-mixtral.yaml", "mini-mixtral-stock.yaml"):
         assert from_run_config(str(ROOT / "configs/mini" / f))[1] == DemoShape()  # the demo's own shape
@@ -192,7 +192,7 @@ def test_train_demo_accepts_mini_and_explains_the_rest():
 
 
 def test_configuration_doc_is_generated():
-    from megatron_rails.config_docs import generate
+    from megatron_rails.config.docs import generate
 
     committed = (ROOT / "docs" / "configuration.md").read_text()
     assert committed == generate(), "docs/configuration.md is stale: megatron-rails config docs --out docs/configuration.md"
@@ -251,7 +251,7 @@ def test_pretrain_print_args(tmp_path):
     assert stock.returncode == 0 and "--rails-config" not in stock.stdout
     cpu = subprocess.run([sys.executable, "-m", "megatron_rails.pretrain", "--run-config", str(MINI), "--print-args"],
                          capture_output=True, text=True, timeout=120)
-    assert cpu.returncode == 2 and "CPU (gloo) run configs run with megatron_rails.train_demo" in cpu.stderr
+    assert cpu.returncode == 2 and "CPU (gloo) run configs run with megatron_rails.demo.train" in cpu.stderr
 
 
 @pytest.mark.skipif(not os.environ.get("MEGATRON_LM_DIR"), reason="set MEGATRON_LM_DIR to a Megatron-LM checkout "

@@ -8,12 +8,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from megatron_rails import cli
-from megatron_rails.planners import PlannerConfig, make_planner
-from megatron_rails.runconfig import load_run_config
+from megatron_rails.cli.main import main as cli
+from megatron_rails.core.planners import PlannerConfig, make_planner
+from megatron_rails.config.run import load_run_config
 from megatron_rails.sim.model import CommModel, Setup, SimOptions, layer_cost
 from megatron_rails.sim.run import COMPONENTS, Workload, rescale_rows, simulate_run
-from megatron_rails.trace import load_trace, save_trace
+from megatron_rails.demo.trace import load_trace, save_trace
 
 ROOT = Path(__file__).resolve().parents[1]
 X7 = str(ROOT / "configs" / "mixtral" / "mixtral-8x7b.yaml")
@@ -208,7 +208,7 @@ def test_simulator_doc_commands_and_trace_round_trip(capsys, tmp_path):
             assert res["workload"].startswith("trace ") and res["setup"]["ep"] == 2
             none = next(r for r in res["rows"] if r["policy"] == "none")
             stock = [counts[s % S, layer % L] for s in range(1) for layer in range(32)]
-            from megatron_rails.plan import imbalance, stock_load_D
+            from megatron_rails.core.plan import imbalance, stock_load_D
             want = np.mean([imbalance(stock_load_D(rescale_rows(c, 4096 * 2), 2)) for c in stock])
             assert none["max_over_mean"] == pytest.approx(want, rel=1e-9)
 
@@ -222,8 +222,8 @@ def test_reproduction_doc_commands(capsys, tmp_path):
 
 @pytest.mark.parametrize("model", ["fluid", "phased"])
 def test_single_node_closed_form_matches_the_flow_model(model):
-    from megatron_rails.rails.sim import simulate
-    from megatron_rails.rails.topology import load_topology
+    from megatron_rails.sim.rails import simulate
+    from megatron_rails.core.topology import load_topology
 
     rng = np.random.default_rng(1)
     topo = load_topology("dgx-h100").with_nodes(1)

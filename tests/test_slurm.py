@@ -26,7 +26,7 @@ ENV = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1", MEGATRON_RA
 
 SBATCH_CPU = ("sbatch --nodes 1 --ntasks-per-node 4 --overcommit scripts/slurm/train.sbatch "
               f"{MINI} training.train_iters={STEPS}")
-TORCHRUN_CPU = (f"torchrun --nproc-per-node 4 -m megatron_rails.train_demo --run-config {MINI} --out run.json "
+TORCHRUN_CPU = (f"torchrun --nproc-per-node 4 -m megatron_rails.demo.train --run-config {MINI} --out run.json "
                 f"training.train_iters={STEPS}")
 DRY_GPU = ("MR_DRY_RUN=1 SLURM_NNODES=4 SLURM_NODEID=0 SLURM_JOB_ID=7 MEGATRON_LM_DIR=/opt/Megatron-LM "
            "scripts/slurm/launch.sh configs/mixtral/mixtral-8x7b.yaml")

@@ -15,7 +15,7 @@ HALF = 10
 
 def _build(policy, world):
     import megatron_rails
-    from megatron_rails.train_demo import DemoShape, build_model
+    from megatron_rails.demo.train import DemoShape, build_model
 
     shape = DemoShape()
     if policy == "stock":
@@ -30,7 +30,7 @@ def _build(policy, world):
 def _worker(rank, world, policies):
     import torch
 
-    from megatron_rails.train_demo import DemoShape, make_optimizer, train_steps
+    from megatron_rails.demo.train import DemoShape, make_optimizer, train_steps
 
     torch.set_num_threads(1)
     shape = DemoShape()

@@ -8,8 +8,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from megatron_rails.planners import PlannerConfig, make_planner
-from megatron_rails.workloads import WorkloadSpec, counts as workload_counts
+from megatron_rails.core.planners import PlannerConfig, make_planner
+from megatron_rails.core.workloads import WorkloadSpec, counts as workload_counts
 
 SETTINGS = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -194,7 +194,7 @@ def test_fallback_searches_threshold():
 @given(seed=st.integers(0, 2**31), G=st.sampled_from([1, 2, 4]), n_nodes=st.integers(1, 6),
        per_rank=st.sampled_from([0.5, 1, 2, 3, 4]), kind=st.sampled_from(["random", "pareto", "zipf"]))
 def test_loop_and_numpy_cascades_agree(seed, G, n_nodes, per_rank, kind):
-    from megatron_rails.planners.cascade import OwnerBlocks, cascade, cascade_np
+    from megatron_rails.core.planners.cascade import OwnerBlocks, cascade, cascade_np
 
     rng = np.random.default_rng(seed)
     D = G * n_nodes
@@ -224,7 +224,7 @@ def test_loop_and_numpy_cascades_agree(seed, G, n_nodes, per_rank, kind):
 @pytest.mark.parametrize("D,E,R,tol", [(8, 16, 1, 0.0), (8, 16, 2, 0.5), (16, 8, 1, 1.0), (4, 6, 0, 0.0)])
 def test_stock_plans_equal_the_validated_stock_plan(D, E, R, tol):
     # uniform counts (stock is optimal), and skewed counts within a large tolerance or without slots
-    from megatron_rails.plan import Placement, Plan
+    from megatron_rails.core.plan import Placement, Plan
 
     rng = np.random.default_rng(D * E + R)
     cfg = PlannerConfig(D, E, 4, R, tolerance=tol)

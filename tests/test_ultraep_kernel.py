@@ -14,9 +14,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from megatron_rails.plan import PlanError
-from megatron_rails.planners import PlannerConfig, make_planner
-from megatron_rails.planners.ultraep import _compiled
+from megatron_rails.core.plan import PlanError
+from megatron_rails.core.planners import PlannerConfig, make_planner
+from megatron_rails.core.planners.ultraep import _compiled
 
 pytestmark = [
     pytest.mark.skipif(os.environ.get("MEGATRON_RAILS_PURE_PYTHON", "") not in ("", "0"),
@@ -86,7 +86,7 @@ def test_compiled_and_python_plans_are_identical(prob):
                                      (512, 1024, 8, 1)])
 @pytest.mark.parametrize("skew", ["uniform", "zipf:1.2"])
 def test_identical_at_benchmark_shapes(D, E, G, R, skew):
-    from megatron_rails.workloads import WorkloadSpec, counts
+    from megatron_rails.core.workloads import WorkloadSpec, counts
 
     c = counts(WorkloadSpec(num_ranks=D, num_experts=E, topk=min(8, E), tokens_per_rank=4096, skew=skew, seed=D))
     a, b = both(PlannerConfig(D, E, G, R), c)

@@ -1,4 +1,4 @@
-"""Tests for megatron_rails.workloads: invariants, determinism, skew statistics, exactness, files.
+"""Tests for megatron_rails.core.workloads: invariants, determinism, skew statistics, exactness, files.
 
 Statistical bounds are several standard deviations wide and the seeds are fixed, so they cannot flake.
 """
@@ -13,11 +13,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from megatron_rails import workloads as wl
-from megatron_rails.workloads import (
-    SKEW_FORMS, Skew, WorkloadError, WorkloadSpec, counts, deepseek_like, load_counts, mixtral_like,
-    parse_skew, sample_topk_counts, save_counts, trace,
-)
+from megatron_rails.core import workloads as wl
+from megatron_rails.core.workloads import (SKEW_FORMS, Skew, WorkloadError, WorkloadSpec, counts, deepseek_like, load_counts, mixtral_like, parse_skew, sample_topk_counts, save_counts, trace)
 
 
 def imbalance(counts_DE: np.ndarray) -> float:

@@ -20,8 +20,8 @@ import dataclasses
 import os
 from pathlib import Path
 
-from ..config import COMMS, ConfigError, PolicyConfig
-from ..planners import POLICIES
+from ..core.policy import COMMS, ConfigError, PolicyConfig
+from ..core.planners import POLICIES
 
 GROUP_TITLE = "megatron-rails"
 # dest -> (flag, PolicyConfig key); the key is None for --rails-config (the whole file)
@@ -127,7 +127,7 @@ def install_from_args(args, *, quiet: bool = False) -> PolicyConfig | None:
     if cfg is None:
         return None
     check_megatron_args(args, cfg)
-    from . import install
+    from .install import install
 
     install(cfg)
     global _last_logged

@@ -50,54 +50,6 @@ def build_moe_layer(config, grouped_gemm: bool = False, use_te: bool = False):
     return MoELayer(config, moe_submodules(config.num_moe_experts, grouped_gemm, use_te))
 
 
-def rails_moe_layer_class():
-    """RailsMoELayer: a MoELayer whose dispatcher is always RailsTokenDispatcher (policy from
-    `megatron_rails.install()` or `RailsTokenDispatcher.policy_config`), for users who build their
-    own layer specs instead of installing globally."""
-    from megatron.core.transformer.moe import moe_layer
-
-    from ..dispatcher import RailsTokenDispatcher
-    from .metrics import log_in_training_loop
-
-    log_in_training_loop()  # spec builders run on every rank, MoE stage or not
-    global _RailsMoELayer
-    if _RailsMoELayer is None:
-        class RailsMoELayer(moe_layer.MoELayer):
-            def __init__(self, config, *args, **kwargs):
-                if config.moe_token_dispatcher_type != "alltoall":
-                    raise ValueError("RailsMoELayer needs moe_token_dispatcher_type='alltoall' (got "
-                                     f"{config.moe_token_dispatcher_type!r})")
-                saved = moe_layer.MoEAlltoAllTokenDispatcher
-                moe_layer.MoEAlltoAllTokenDispatcher = RailsTokenDispatcher
-                try:
-                    super().__init__(config, *args, **kwargs)
-                finally:
-                    moe_layer.MoEAlltoAllTokenDispatcher = saved
-                if not getattr(self.token_dispatcher, "store", None):
-                    self.token_dispatcher.attach_experts(self.experts, layer=self)
-
-        _RailsMoELayer = RailsMoELayer
-    return _RailsMoELayer
-
-
-_RailsMoELayer = None
-
-
-def rails_gpt_layer_local_spec(num_experts: int, **kwargs):
-    """Megatron-Core's local GPT layer spec with the MoE MLP replaced by RailsMoELayer
-    (`--spec megatron_rails.megatron.compat rails_gpt_layer_local_spec` style use)."""
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-
-    spec = get_gpt_layer_local_spec(num_experts=num_experts, **kwargs)
-    mlp = spec.submodules.mlp
-    cls = rails_moe_layer_class()
-    if isinstance(mlp, functools.partial):
-        spec.submodules.mlp = functools.partial(cls, *mlp.args, **mlp.keywords)
-    else:
-        mlp.module = cls
-    return spec
-
-
 def grouped_experts_spec(experts_cls, linear_fc1, linear_fc2):
     """What MoESubmodules.experts takes for a TEGroupedMLP-style module built over the given grouped
     linear classes (any class with Transformer Engine GroupedLinear's constructor and contract)."""

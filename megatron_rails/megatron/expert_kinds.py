@@ -19,20 +19,15 @@ Legend: N tokens of one slot, H hidden size, F expert ffn size (F2 = 2F with GLU
 """
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import torch.nn.functional as F
 from torch.func import functional_call
 
-Slice = tuple[str, Callable[[torch.Tensor], torch.Tensor]]
+from ..runtime.expert_kind import ExpertKind as _KindInterface
+from ..runtime.expert_kind import UnsupportedExperts
 
 SUPPORTED = ("SequentialMLP", "GroupedMLP (legacy grouped_gemm; in 0.16, gone by 0.19)",
              "TEGroupedMLP (per-expert weight{i} GroupedLinear)")
-
-
-class UnsupportedExperts(TypeError):
-    """An expert module (or setting) the replica / FSEP stores cannot handle."""
 
 
 def _unsupported(module, why: str) -> UnsupportedExperts:
@@ -49,11 +44,9 @@ def _probs_on_input(config, x_NH, probs_N):
     return x_NH, probs_N
 
 
-class ExpertKind:
-    """Base adapter: `num_local`, `slot_names` (the keys of a slot's parameter dict), `slices(i)`,
-    `compute(params, x_NH, probs_N) -> y_NH`."""
-
-    name = "?"
+class ExpertKind(_KindInterface):
+    """Base of the Megatron-Core adapters (runtime/expert_kind.py has the interface): the module,
+    its TransformerConfig, and the refusals every kind shares."""
 
     def __init__(self, module: torch.nn.Module, config):
         self.module, self.config = module, config
@@ -61,25 +54,8 @@ class ExpertKind:
         if getattr(config, "fp8", None) or getattr(config, "fp4", None):
             raise _unsupported(module, "fp8/fp4 experts (replica slots compute in the parameter dtype)")
 
-    slot_names: tuple[str, ...]
-
-    def slices(self, i: int) -> list[Slice]:
-        raise NotImplementedError
-
-    def compute(self, params: dict[str, torch.Tensor], x_NH: torch.Tensor, probs_N: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
-
-    def check_coverage(self) -> None:
-        """Every parameter of the module must belong to exactly one expert's slices: otherwise the
-        stores would silently leave a parameter out of replicas, shards or checkpoints."""
-        params = dict(self.module.named_parameters())
-        covered = {}
-        for i in range(self.num_local):
-            for name, view in self.slices(i):
-                covered[name] = covered.get(name, 0) + view(params[name]).numel()
-        wrong = [n for n, p in params.items() if covered.get(n, 0) != p.numel()]
-        if wrong:
-            raise _unsupported(self.module, f"parameters {wrong} are not split into {self.num_local} experts")
+    def unsupported(self, why: str) -> UnsupportedExperts:
+        return _unsupported(self.module, why)
 
 
 class SequentialKind(ExpertKind):

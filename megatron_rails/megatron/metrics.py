@@ -54,28 +54,3 @@ def record_step(layer, record: dict, device) -> bool:
     for name, value in zip(TRACKED, values):
         compat.record_moe_metric(name, value, layer.layer_number, num_layers)
     return True
-
-
-def _rails_layers(model):
-    from ..dispatcher import RailsTokenDispatcher
-
-    chunks = model if isinstance(model, (list, tuple)) else [model]
-    for chunk in chunks:
-        for module in chunk.modules():
-            if isinstance(getattr(module, "token_dispatcher", None), RailsTokenDispatcher):
-                yield module
-
-
-def metrics_summary(model) -> dict:
-    """The latest metric record of every RailsTokenDispatcher layer in `model` (a module or a list
-    of model chunks), keyed by the layer's number (1-based, as Megatron numbers layers), or by
-    "layer{k}" (its position) where Megatron has not numbered it. Layers without a step yet are
-    left out. Each record is the dispatcher's own dict (a copy); see dispatcher.py `_record`."""
-    out = {}
-    for k, layer in enumerate(_rails_layers(model)):
-        metrics = layer.token_dispatcher.metrics
-        if not metrics:
-            continue
-        key = layer.layer_number if getattr(layer, "layer_number", None) is not None else f"layer{k}"
-        out[key] = dict(metrics[-1])
-    return out

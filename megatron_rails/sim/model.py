@@ -16,7 +16,7 @@ FLOPs (a GEMM of [m, k] x [k, n] is 2mkn; backward = 2 x forward):
   recompute selective: the attention core runs forward once more; full: every forward runs twice
             (and with it the MoE layer's planner, weight fetch and dispatch/combine all-to-alls).
 
-Communication (megatron_rails.rails.sim, the fluid model by default, `phased` on request) on the
+Communication (megatron_rails.sim.rails, the fluid model by default, `phased` on request) on the
 EP group's slice of the topology (`ep_topology`):
   tokens    dispatch sends plan.send_DD rows of H x 2 bytes (bf16), combine the transpose; backward
             repeats both in reverse: (forward passes + 1) x (t(send) + t(send^T)) per microbatch.
@@ -43,8 +43,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..rails.sim import build_schedule, simulate_schedule
-from ..rails.topology import Topology
+from .rails import build_schedule, simulate_schedule
+from ..core.topology import Topology
 
 OVERLAPS = ("none", "weights")
 WEIGHT_SYNCS = ("microbatch", "iteration")
@@ -60,7 +60,7 @@ class SimError(ValueError):
 class SimOptions:
     mfu: float = 0.5              # achieved / peak dense bf16 FLOP rate, for every GEMM
     overlap: str = "none"         # none | weights
-    a2a_model: str = "fluid"      # fluid | phased (megatron_rails.rails.sim)
+    a2a_model: str = "fluid"      # fluid | phased (megatron_rails.sim.rails)
     weight_sync: str = "microbatch"  # microbatch | iteration
     dtype_bytes: int = 2          # activations and weights (bf16)
     grad_bytes: int = 2           # returned weight gradients (bf16)
@@ -156,8 +156,8 @@ class Setup:
 
     @classmethod
     def from_run_config(cls, rc, slots: int | None = None) -> "Setup":
-        from ..config import PolicyConfig
-        from ..runconfig_checks import ep_ranks_per_node
+        from ..core.policy import PolicyConfig
+        from ..config.checks import ep_ranks_per_node
 
         m, p, t = rc.model, rc.parallelism, rc.training
         etp = p.expert_tensor_parallel_size or p.tensor_model_parallel_size
@@ -216,7 +216,7 @@ class CommModel:
 
 def weight_units_DD(plan, expert_bytes: int) -> tuple[np.ndarray, int]:
     """(int64 [D, D] weight traffic in CHUNK_BYTES units of the forward fetch, bytes it moves)."""
-    from ..plan import SHARDED
+    from ..core.plan import SHARDED
 
     p = plan.placement
     D = p.num_ranks

@@ -72,7 +72,7 @@ class Workload:
                                f"model.num_experts={t.shape[3]} "
                                f"(KEY=VALUE overrides after the config)")
             return
-        from ..workloads import WorkloadError, WorkloadSpec
+        from ..core.workloads import WorkloadError, WorkloadSpec
 
         try:
             self.spec = WorkloadSpec(s.ep, s.experts, s.topk, s.tokens_per_rank, self.skew, self.seed, s.layers)
@@ -87,7 +87,7 @@ class Workload:
 
     def counts(self, step: int, layer: int) -> np.ndarray:
         if self.trace is None:
-            from ..workloads import counts
+            from ..core.workloads import counts
 
             return counts(self.spec, step, layer)
         S, L = self.trace.shape[:2]
@@ -98,8 +98,8 @@ class Workload:
 # -- driver ---------------------------------------------------------------------------------------------------
 
 def check_names(policies, comms) -> tuple[list[str], list[str]]:
-    from ..config import COMMS
-    from ..planners import POLICIES
+    from ..core.policy import COMMS
+    from ..core.planners import POLICIES
 
     pols = [p.strip() for p in (policies.split(",") if isinstance(policies, str) else policies) if p.strip()]
     cms = [c.strip() for c in (comms.split(",") if isinstance(comms, str) else comms) if c.strip()]
@@ -117,7 +117,7 @@ def check_names(policies, comms) -> tuple[list[str], list[str]]:
 def _planners(setup: Setup, policies):
     import dataclasses
 
-    from ..planners import PlannerError, make_planner
+    from ..core.planners import PlannerError, make_planner
 
     out = {}
     for pol in policies:
@@ -222,7 +222,7 @@ ASSUMPTIONS = {
     "dense_flops": "QKV + output projection + causal attention core + router, x3 for fwd+bwd, / TP; "
                    "LM head on the last pipeline stage",
     "gemm_rate": "topology gpu_tflops x mfu for every GEMM",
-    "all_to_all": "megatron_rails.rails.sim on the EP group's slice of the topology; tokens hidden x 2 bytes; "
+    "all_to_all": "megatron_rails.sim.rails on the EP group's slice of the topology; tokens hidden x 2 bytes; "
                   "dispatch + combine, forward and backward",
     "weights": "owner layout: each replica with tokens fetched whole from its owner, grads back (bf16); "
                "fsep: shard all-gather of every slot with tokens, grad reduce-scatter back",

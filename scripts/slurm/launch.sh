@@ -5,7 +5,7 @@
 #   scripts/slurm/launch.sh RUN.yaml [KEY=VALUE ...]
 #
 # The run config decides the mode (validated first, errors name the file and key):
-#   parallelism.backend gloo -> CPU mode: megatron_rails.train_demo, world_size / SLURM_NNODES ranks per
+#   parallelism.backend gloo -> CPU mode: megatron_rails.demo.train, world_size / SLURM_NNODES ranks per
 #                               node, OMP_NUM_THREADS=1 (the mini configs; CI runs this)
 #   parallelism.backend nccl -> GPU mode: megatron_rails.pretrain (Megatron-LM's pretrain_gpt.py with the
 #                               balancer installed), topology.gpus_per_node ranks per node; the job must
@@ -31,7 +31,7 @@ PY=${MEGATRON_RAILS_PYTHON:-}
 if [ -z "$PY" ]; then if [ -x "$REPO/.venv/bin/python" ]; then PY=$REPO/.venv/bin/python; else PY=python3; fi; fi
 
 # validate once, read the four values the launch needs
-INFO=$("$PY" -m megatron_rails.cli config show "$CONFIG" "$@" --get parallelism.backend \
+INFO=$("$PY" -m megatron_rails.cli.main config show "$CONFIG" "$@" --get parallelism.backend \
        --get parallelism.world_size --get parallelism.nodes --get topology.gpus_per_node) \
     || die "invalid run config $CONFIG (see above)"
 read -r BACKEND WORLD NODES GPN <<<"$(echo $INFO)"
@@ -51,7 +51,7 @@ if [ "$BACKEND" = gloo ]; then
     [ $((WORLD % NNODES)) = 0 ] || die "$CONFIG: world size $WORLD does not split over $NNODES Slurm nodes"
     NPROC=$((WORLD / NNODES))
     export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-    ENTRY=(-m megatron_rails.train_demo --run-config "$CONFIG" --out "$RUN_DIR/result.json" "$@")
+    ENTRY=(-m megatron_rails.demo.train --run-config "$CONFIG" --out "$RUN_DIR/result.json" "$@")
 else
     [ "$NNODES" = "$NODES" ] || die "$CONFIG: the run config wants $NODES nodes x $GPN GPUs, this job has \
 $NNODES node(s): sbatch --nodes $NODES (or override parallelism.nodes=$NNODES)"

@@ -33,8 +33,8 @@ POLICY_CASES = [  # (id, policy YAML text, what the message must contain)
 
 @pytest.mark.parametrize("text,needles", [c[1:] for c in POLICY_CASES], ids=[c[0] for c in POLICY_CASES])
 def test_policy_yaml_errors_name_file_and_key(tmp_path, text, needles):
-    from megatron_rails.config import ConfigError
-    from megatron_rails.runconfig import load_any
+    from megatron_rails.core.policy import ConfigError
+    from megatron_rails.config.run import load_any
 
     path = tmp_path / "policies" / "bad.yaml"
     path.parent.mkdir()
@@ -57,8 +57,8 @@ RUN_CASES = [  # (id, overrides on the mini run config, what the message must co
 
 @pytest.mark.parametrize("overrides,needles", [c[1:] for c in RUN_CASES], ids=[c[0] for c in RUN_CASES])
 def test_run_config_errors_name_the_key(overrides, needles):
-    from megatron_rails.config import ConfigError
-    from megatron_rails.runconfig import load_run_config
+    from megatron_rails.core.policy import ConfigError
+    from megatron_rails.config.run import load_run_config
 
     with pytest.raises(ConfigError) as err:
         load_run_config(MINI, overrides)
@@ -68,13 +68,13 @@ def test_run_config_errors_name_the_key(overrides, needles):
 
 
 def test_missing_files_are_named(tmp_path):
-    from megatron_rails.config import ConfigError, PolicyConfig
-    from megatron_rails.runconfig import load_run_config
+    from megatron_rails.core.policy import ConfigError, PolicyConfig
+    from megatron_rails.config.run import load_run_config
 
     for load in (PolicyConfig.from_yaml, load_run_config):
         with pytest.raises(ConfigError, match=re.escape(str(tmp_path / "nope.yaml"))):
             load(tmp_path / "nope.yaml")
-    proc = subprocess.run([sys.executable, "-m", "megatron_rails.cli", "config", "validate", str(tmp_path / "nope.yaml")],
+    proc = subprocess.run([sys.executable, "-m", "megatron_rails.cli.main", "config", "validate", str(tmp_path / "nope.yaml")],
                           capture_output=True, text=True)
     assert proc.returncode != 0 and "nope.yaml" in proc.stdout + proc.stderr
 

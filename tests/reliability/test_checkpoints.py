@@ -24,14 +24,14 @@ STEPS, HALF = 6, 3
 
 
 def _shape():
-    from megatron_rails.train_demo import DemoShape
+    from megatron_rails.demo.train import DemoShape
 
     return DemoShape(layers=1)  # one MoE layer keeps 6 cases x 7 runs inside the CI budget
 
 
 def _build(case, world):
     import megatron_rails
-    from megatron_rails.train_demo import build_model
+    from megatron_rails.demo.train import build_model
 
     if case == "stock":
         return build_model(_shape(), world, "allgather")
@@ -45,7 +45,7 @@ def _build(case, world):
 
 
 def _train(model, steps, rank, world, start=0):
-    from megatron_rails.train_demo import make_optimizer, train_steps
+    from megatron_rails.demo.train import make_optimizer, train_steps
 
     losses, _ = train_steps(model, _shape(), steps, rank, world, opt=make_optimizer(model, "sgd"), start=start)
     return losses

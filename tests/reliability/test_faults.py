@@ -41,7 +41,7 @@ def _run_with_fault(tmp_path, fault: str, policy_args: list[str]):
     # notice the dead peer themselves, so the test sees their own error and not only torchrun's signal
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
            "--monitor-interval", str(MONITOR_S),
-           "-m", "megatron_rails.train_demo", *policy_args, "--steps", "6", "--timeout-s", str(TIMEOUT_S),
+           "-m", "megatron_rails.demo.train", *policy_args, "--steps", "6", "--timeout-s", str(TIMEOUT_S),
            "--out", str(out)]
     env = dict(os.environ, MEGATRON_RAILS_FAULT=fault, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
     t0 = time.monotonic()

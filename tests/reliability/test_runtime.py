@@ -29,9 +29,9 @@ def _layer(world, policy, **extra):
 
 
 def _consistency_worker(rank, world, policy):
-    from megatron_rails import dispatcher as disp_mod
-    from megatron_rails.dispatcher import PlanMismatchError
-    from megatron_rails.plan import Plan
+    from megatron_rails.megatron import dispatcher as disp_mod
+    from megatron_rails.megatron.dispatcher import PlanMismatchError
+    from megatron_rails.core.plan import Plan
 
     torch.manual_seed(0)
     layer = _layer(world, policy)
@@ -98,7 +98,7 @@ def test_nan_and_inf_router_match_stock():
 def _int32_worker(rank, world):
     import torch.distributed as dist
 
-    from megatron_rails.comm import all_gather_counts
+    from megatron_rails.runtime.comm import all_gather_counts
 
     big = torch.tensor([2**31 + 7 * rank, 3 * 2**32, 0, 5], dtype=torch.int64)
     got = all_gather_counts(big, dist.group.WORLD)
@@ -112,7 +112,7 @@ def test_counts_beyond_int32_survive_the_gather():
 
 @pytest.mark.parametrize("policy", ["none", "eplb", "ultraep", "lp", "fsep"])
 def test_counts_beyond_int32_plan_exactly(policy):
-    from megatron_rails.planners import PlannerConfig, make_planner
+    from megatron_rails.core.planners import PlannerConfig, make_planner
 
     rng = np.random.default_rng(5)
     counts = rng.integers(2**31, 2**33, size=(8, 16), dtype=np.int64)

@@ -1,7 +1,7 @@
 """A short soak in the suite (the full one is `megatron-rails soak`, results in docs/reliability.md):
 drifting planner calls with every plan validated and its route recounted, and dispatcher steps on
 4 gloo ranks compared with the stock allgather dispatcher every step, every policy and both comms."""
-from megatron_rails.soak import CASES, dispatcher_soak, planner_soak
+from megatron_rails.reliability.soak import CASES, dispatcher_soak, planner_soak
 
 
 def test_planner_soak_short():

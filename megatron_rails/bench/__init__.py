@@ -1,0 +1,1 @@
+"""`megatron-rails bench ...` (tools layer): planners, dispatcher, local work, RailS; results as JSON."""

@@ -1,0 +1,157 @@
+"""`megatron-rails bench dispatcher`: one MoE layer, 4 gloo ranks, Mixtral-like shape scaled to CPU
+(8 experts top-2). Times forward+backward per layer for every policy against `none` at uniform
+routing and at a zipf-like skew, and records the balance each policy reaches. Results as JSON.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from ..megatron import models
+from ..megatron.install import install, uninstall
+
+SHAPE = dict(hidden=256, ffn=512, experts=8, topk=2, tokens=1024)
+POLICIES = ["none", "eplb", "ultraep", "lp", "fsep", "fsep+rails"]  # +rails: comm rails, 2 virtual nodes
+SKEWS = {"uniform": 0.0, "zipf:1.2": 1.2}
+WARMUP = 2  # untimed rounds
+
+
+def _layer(world, dispatcher):
+    cfg = models.transformer_config(
+        num_layers=1, hidden_size=SHAPE["hidden"], num_attention_heads=4, num_moe_experts=SHAPE["experts"],
+        moe_router_topk=SHAPE["topk"], moe_token_dispatcher_type=dispatcher, ffn_hidden_size=SHAPE["ffn"],
+        moe_ffn_hidden_size=SHAPE["ffn"], add_bias_linear=False, expert_model_parallel_size=world,
+        use_cpu_initialization=True, moe_aux_loss_coeff=0.0, gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu, bias_activation_fusion=False,
+        moe_router_load_balancing_type="none")
+    torch.manual_seed(0)
+    return models.build_moe_layer(cfg)
+
+
+def _inputs(rank, s):
+    """x [T, 1, H] (noise plus a common direction u) and the unit vector u. `_skew_router` makes the
+    router's logits along u give every expert a zipf(s) popularity (s = 0: uniform)."""
+    rng = np.random.default_rng(100 + rank)
+    H = SHAPE["hidden"]
+    u = np.random.default_rng(5).standard_normal(H)
+    u /= np.linalg.norm(u)
+    x = rng.standard_normal((SHAPE["tokens"], H)) * 0.5 + 2.0 * u
+    return torch.tensor(x, dtype=torch.float32).view(-1, 1, H), torch.tensor(u, dtype=torch.float32)
+
+
+@torch.no_grad()
+def _skew_router(weight_EH: torch.Tensor, u_H: torch.Tensor, s: float) -> None:
+    """Set the router's component along u so that logits offset by log(1 / rank^s) per expert (a
+    fixed random expert order): the random initial component along u is removed first, otherwise
+    it alone skews "uniform" routing."""
+    E = weight_EH.shape[0]
+    alpha = np.log(1.0 / np.arange(1, E + 1) ** s) if s else np.zeros(E)
+    alpha = torch.tensor(np.random.default_rng(6).permutation(alpha), dtype=weight_EH.dtype)
+    weight_EH -= torch.outer(weight_EH @ u_H, u_H)
+    weight_EH += torch.outer(alpha, u_H) / 2.0  # x carries 2 u
+
+
+def _worker(rank, world, store, reps, warmup, out):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    models.init_model_parallel(world)
+    rows = []
+    for skew, s in SKEWS.items():
+        x0, u = _inputs(rank, s)
+        layers = {}
+        for policy in POLICIES:
+            name, _, comm = policy.partition("+")
+            install({"policy": name, "slots": 2, "ranks_per_node": 2, "comm": comm or "direct"})
+            layers[policy] = layer = _layer(world, "alltoall")
+            uninstall()
+            _skew_router(layer.router.weight, u, s)
+        # rounds over all policies (the order rotating), so that slow spells of a shared machine
+        # hit every policy alike; the first `warmup` rounds are not timed
+        times = {policy: [] for policy in POLICIES}
+        for it in range(reps + warmup):
+            k = it % len(POLICIES)
+            for policy in POLICIES[k:] + POLICIES[:k]:
+                x = x0.clone().requires_grad_(True)
+                dist.barrier()
+                t0 = time.perf_counter()
+                y, _ = layers[policy](x)
+                y.sum().backward()
+                dist.barrier()
+                if it >= warmup:
+                    times[policy].append(time.perf_counter() - t0)
+        for policy in POLICIES:
+            layer = layers[policy]
+            m = layer.token_dispatcher.metrics
+            paired = np.array(times[policy]) / np.array(times["none"])  # same round: same machine state
+            rows.append({"policy": policy, "skew": skew, "ms_p50": float(np.median(times[policy]) * 1e3),
+                         "ms_min": float(np.min(times[policy]) * 1e3),
+                         "overhead_vs_none": float(np.median(paired) - 1.0),
+                         "max_over_mean_before": float(np.mean([r["max_over_mean_before"] for r in m])),
+                         "max_over_mean_after": float(np.mean([r["max_over_mean_after"] for r in m])),
+                         "plan_us_p50": float(np.median([r["plan_us"] for r in m])),
+                         "token_bytes_per_layer": float(np.mean([r["token_bytes_sent"] for r in m])),
+                         "weight_bytes_per_layer": float(np.mean([r["weight_bytes_sent"] for r in m])),
+                         "rails_sprayed_frac": float(np.mean([r["rails_sprayed"] for r in m]))})
+            if rank == 0:
+                r = rows[-1]
+                print(f"  {skew:9s} {policy:8s} {r['ms_p50']:7.1f} ms  max/mean {r['max_over_mean_before']:.3f}"
+                      f" -> {r['max_over_mean_after']:.3f}", file=sys.stderr, flush=True)
+    floor = _weight_exchange_ms(layers["fsep"].token_dispatcher.store, reps, warmup)
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump({"rows": rows, "fsep_weight_exchange": floor}, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _weight_exchange_ms(store, reps: int, warmup: int) -> dict:
+    """The floor under fsep's overhead here: one bare all-to-all of the size of its weight exchange
+    (every rank's shard of every expert, one slot each), timed alone; a layer step has two."""
+    buf = store.shards_EP.detach().clone()
+    D = dist.get_world_size()
+    split = [buf.shape[0] // D] * D
+    times = []
+    for it in range(reps + warmup):
+        dist.barrier()
+        t0 = time.perf_counter()
+        store.exchange(buf, split, split)
+        dist.barrier()
+        if it >= warmup:
+            times.append(time.perf_counter() - t0)
+    return {"bytes_per_rank": buf.numel() * buf.element_size(), "ms_p50": float(np.median(times) * 1e3)}
+
+
+def bench_dispatcher(out: str, reps: int = 20, world: int = 4, warmup: int = WARMUP) -> dict:
+    tmp = out + ".rows"
+    print(f"dispatcher bench: {world} gloo ranks, hidden {SHAPE['hidden']}, ffn {SHAPE['ffn']}, "
+          f"{SHAPE['experts']} experts top-{SHAPE['topk']}, {SHAPE['tokens']} tokens/rank", file=sys.stderr)
+    with tempfile.TemporaryDirectory(prefix="rails-bench-") as rdzv:  # a file rendezvous: no port to race for
+        mp.start_processes(_worker, args=(world, f"{rdzv}/store", reps, warmup, tmp), nprocs=world, start_method="spawn")
+    with open(tmp) as f:
+        got = json.load(f)
+    os.remove(tmp)
+    rows = got["rows"]
+    res = {"meta": {"command": "megatron-rails bench dispatcher", "world": world, "shape": SHAPE, "reps": reps, "warmup": warmup,
+                    "note": "CPU gloo timings of one MoE layer forward+backward; not GPU figures. "
+                            "overhead_vs_none: median over rounds of (this policy / none in the same round) - 1. "
+                            "fsep_weight_exchange: one bare all-to-all the size of fsep's weight gather (a layer "
+                            "step has two: the gather and the gradients back)",
+                    "fsep_weight_exchange": got["fsep_weight_exchange"]},
+           "rows": rows,
+           "targets": {
+               "uniform_overhead_le_5pct": {r["policy"]: r["overhead_vs_none"] <= 0.05
+                                            for r in rows if r["skew"] == "uniform"},
+               "zipf_max_over_mean_le_1_05": {r["policy"]: r["max_over_mean_after"] <= 1.05
+                                              for r in rows if r["skew"] != "uniform"}}}
+    with open(out, "w") as f:
+        json.dump(res, f, indent=1)
+    print(json.dumps(res["targets"], indent=1))
+    return res

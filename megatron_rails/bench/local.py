@@ -1,0 +1,195 @@
+"""`megatron-rails bench local`: the dispatcher's local work on one device, against Megatron-Core's
+own permute/unpermute for the same tokens.
+
+One EP rank's share of a layer step, without the collectives: the plan from the exact counts, the
+pairs put in send order (dispatch_preprocess), the received rows grouped by slot
+(dispatch_postprocess), and the way back (combine_preprocess and combine_postprocess). The stock
+side is what Megatron-Core's alltoall dispatcher does locally: permute, sort_chunks_by_idxs twice
+when a rank holds more than one expert, unpermute. Excluded on both sides: the count exchange, the
+all-to-alls, expert compute and weight movement. Each side is timed on its busiest rank (the most
+rows received: the rank a step waits for), with that rank's own routing. Rows another rank would
+have sent are random tensors of the right size; this rank's routing comes from a softmax top-k over random logits with a
+zipf popularity bias per expert (s = 0: uniform).
+
+Runs on CPU (a smoke test) or CUDA (`--device cuda`: the figures the issue asks for).
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+
+import numpy as np
+import torch
+
+from ..core.policy import PolicyConfig
+from ..runtime.local import order_pairs, receive_order, rows, sum_pairs
+from ..core.planners import make_planner
+
+# Mixtral 8x7B / 8x22B: hidden 4096 / 6144, 8 experts top-2; a 4096-token sequence per rank, EP 8
+SHAPES = {
+    "mixtral-8x7b": dict(hidden=4096, experts=8, topk=2, tokens=4096, ep=8),
+    "mixtral-8x22b": dict(hidden=6144, experts=8, topk=2, tokens=4096, ep=8),
+    "tiny": dict(hidden=64, experts=8, topk=2, tokens=256, ep=4),
+}
+POLICIES = ["none", "eplb", "ultraep", "lp", "fsep"]
+SKEWS = {"uniform": 0.0, "zipf:1.2": 1.2}
+
+
+def routing(shape: dict, s: float, seed: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """routing_map bool [T, E] and probs [T, E] (zero where not routed) of one rank's tokens."""
+    T, E, k = shape["tokens"], shape["experts"], shape["topk"]
+    g = torch.Generator().manual_seed(seed)
+    bias = -s * torch.log(torch.arange(1, E + 1, dtype=torch.float32))
+    bias = bias[torch.randperm(E, generator=torch.Generator().manual_seed(7))]  # one popularity order for all ranks
+    logits = torch.randn(T, E, generator=g) + bias
+    top_p, top_e = torch.softmax(logits, dim=-1).topk(k, dim=-1)
+    probs = torch.zeros(T, E).scatter(1, top_e, top_p)
+    return (probs > 0).to(device), probs.to(device)
+
+
+def _timed(fn, reps: int, sync) -> list[float]:
+    """Microseconds per call of fn (after its warm-up calls), one figure per call."""
+    for _ in range(3):
+        fn()
+    out = []
+    for _ in range(reps):
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        out.append((time.perf_counter() - t0) * 1e6)
+    return out
+
+
+def _rows_for(policy: str, skew: str, shape: dict, dtype, device, reps: int, sync) -> dict:
+    from ..megatron.models import stock_local_ops
+
+    stock_permute, sort_chunks_by_idxs, unpermute = stock_local_ops()
+
+    D, E, H, T = shape["ep"], shape["experts"], shape["hidden"], shape["tokens"]
+    L = E // D
+    maps = [routing(shape, SKEWS[skew], 1000 + d, device) for d in range(D)]
+    counts_DE = np.stack([m.sum(dim=0).cpu().numpy() for m, _ in maps]).astype(np.int64)
+    x = torch.randn(T, H, dtype=dtype, device=device)
+    planner = make_planner(policy, PolicyConfig(policy=policy).planner_config(D, E))
+    state = planner.initial_state()
+    plan, state = planner.plan(counts_DE, state)
+    plan_us = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        planner.plan(counts_DE, state)
+        plan_us.append((time.perf_counter() - t0) * 1e6)
+
+    # -- this project's dispatcher: the same functions RailsTokenDispatcher calls
+    me = int(np.argmax(plan.send_DD.sum(axis=0)))
+    rmap, probs = maps[me]
+    P = int(counts_DE[me].sum())
+    Q = int(plan.send_DD[:, me].sum())
+    L_own = plan.placement.owner_slots
+    x_recv = torch.randn(Q, H, dtype=dtype, device=device)
+    pr_recv = torch.rand(Q, dtype=torch.float32, device=device)
+    y_back = torch.randn(P, H, dtype=dtype, device=device)
+    state_ours = {}
+
+    def ours_dispatch():
+        so = order_pairs(plan, me, rmap, probs)
+        state_ours["sent"] = so
+        return x[so.token_P], so.probs_P
+
+    def ours_regroup():
+        order, state_ours["inverse"], per_slot = receive_order(plan, me, device)
+        state_ours["n_owner"] = int(per_slot[:L_own].sum())
+        return rows(x_recv, order), rows(pr_recv, order)
+
+    def ours_combine():
+        y_Q, n = x_recv, state_ours["n_owner"]  # expert outputs in slot order
+        if n < Q:  # owner-slot outputs, then replica-slot outputs
+            y_Q = torch.cat([y_Q[:n], y_Q[n:]])
+        return rows(y_Q, state_ours["inverse"]), sum_pairs(y_back, state_ours["sent"], T)
+
+    # -- Megatron-Core's alltoall dispatcher, local part
+    stock_me = int(np.argmax(counts_DE.sum(axis=0).reshape(D, L).sum(axis=1)))
+    local = slice(stock_me * L, (stock_me + 1) * L)
+    s_rmap, s_probs = maps[stock_me]
+    P_stock = int(counts_DE[stock_me].sum())
+    per_local_DL = torch.from_numpy(counts_DE[:, local].copy())
+    Q_stock = int(per_local_DL.sum())
+    xs_recv = torch.randn(Q_stock, H, dtype=dtype, device=device)
+    ps_recv = torch.rand(Q_stock, dtype=torch.float32, device=device)
+    sort_in = torch.arange(D * L).reshape(D, L).T.ravel()
+    sort_back = torch.arange(D * L).reshape(L, D).T.ravel()
+    ys_back = torch.randn(P_stock, H, dtype=dtype, device=device)
+    state_stock = {}
+
+    def stock_dispatch():
+        out, pprobs, idx = stock_permute(x, s_rmap, s_probs, P_stock)
+        state_stock["idx"] = idx
+        return out, pprobs
+
+    def stock_regroup():
+        if L > 1:
+            return sort_chunks_by_idxs(xs_recv, per_local_DL.ravel(), sort_in, probs=ps_recv)
+        return xs_recv, ps_recv
+
+    def stock_combine():
+        y = xs_recv
+        if L > 1:
+            y, _ = sort_chunks_by_idxs(y, per_local_DL.T.ravel(), sort_back)
+        return y, unpermute(ys_back, state_stock["idx"], restore_shape=x.shape, routing_map=s_rmap)
+
+    # the dispatcher sends exactly the routed token-expert pairs
+    ours_dispatch()
+    if not torch.equal(torch.sort(state_ours["sent"].token_P).values, rmap.nonzero()[:, 0]):
+        raise RuntimeError(f"{policy}/{skew}: the dispatcher's send order is not a permutation of the routed pairs")
+
+    seg = {}
+    for name, fn in (("dispatch", ours_dispatch), ("regroup", ours_regroup), ("combine", ours_combine),
+                     ("stock_dispatch", stock_dispatch), ("stock_regroup", stock_regroup),
+                     ("stock_combine", stock_combine)):
+        seg[name] = statistics.median(_timed(fn, reps, sync))
+    plan_p50 = statistics.median(plan_us)
+    ours = seg["dispatch"] + seg["regroup"] + seg["combine"]
+    stock = seg["stock_dispatch"] + seg["stock_regroup"] + seg["stock_combine"]
+    return {"policy": policy, "skew": skew, "plan_us_p50": plan_p50,
+            "dispatch_us_p50": seg["dispatch"], "regroup_us_p50": seg["regroup"], "combine_us_p50": seg["combine"],
+            "local_us_p50": ours, "plan_plus_local_us_p50": plan_p50 + ours,
+            "megatron_dispatch_us_p50": seg["stock_dispatch"], "megatron_regroup_us_p50": seg["stock_regroup"],
+            "megatron_combine_us_p50": seg["stock_combine"], "megatron_local_us_p50": stock,
+            "ratio_vs_megatron": (plan_p50 + ours) / stock, "ratio_local_only": ours / stock,
+            "rank": me, "pairs_sent": P, "rows_received": Q, "rank_stock": stock_me, "rows_received_stock": Q_stock}
+
+
+def bench_local(out: str, shape_name: str = "mixtral-8x7b", device: str = "cpu", dtype: str = "bfloat16",
+                reps: int = 50) -> dict:
+    if shape_name not in SHAPES:
+        raise SystemExit(f"unknown shape {shape_name!r}; choose one of {', '.join(SHAPES)}")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device is visible to torch here")
+    shape, dev = SHAPES[shape_name], torch.device(device)
+    dt = getattr(torch, dtype)
+    sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
+    from ..megatron.models import MCORE_VERSION
+
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+    print(f"local-work bench on {name}: {shape_name} {shape}, {dtype}, each side's busiest rank", file=sys.stderr)
+    _rows_for(POLICIES[0], next(iter(SKEWS)), shape, dt, dev, 2, sync)  # untimed: first-use costs (CUDA context, kernels)
+    rows = []
+    for skew in SKEWS:
+        for policy in POLICIES:
+            r = _rows_for(policy, skew, shape, dt, dev, reps, sync)
+            rows.append(r)
+            print(f"  {policy:8s} {skew:9s} plan {r['plan_us_p50']:8.1f} us  local {r['local_us_p50']:8.1f} us  "
+                  f"megatron {r['megatron_local_us_p50']:8.1f} us  ratio {r['ratio_vs_megatron']:.2f}",
+                  file=sys.stderr)
+    res = {"meta": {"command": "megatron-rails bench local", "device": name, "shape": shape_name, **shape,
+                    "dtype": dtype, "reps": reps, "torch": torch.__version__,
+                    "megatron_core": MCORE_VERSION,
+                    "note": "per-call medians in microseconds; local work only (no collectives, no expert "
+                            "compute), on each side's busiest rank (most rows received); megatron_*: "
+                            "moe_utils.permute/sort_chunks_by_idxs/unpermute, unfused"},
+           "rows": rows}
+    with open(out, "w") as f:
+        json.dump(res, f, indent=1)
+    return res

@@ -1,0 +1,201 @@
+"""`megatron-rails bench planners` and the planner demo.
+
+Results are JSON (one row per grid point and policy) plus a PNG; targets are checked here and
+reported in the JSON, never asserted in timed tests.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+import time
+from itertools import product
+
+import numpy as np
+
+from ..core.planners import POLICIES, PlannerConfig, PlannerError
+from ..core.planners.ultraep import _compiled
+from .measure import BoundCache, measure, pin_one_core
+
+FULL_GRID = dict(ranks=[8, 32, 64, 256, 1024], experts=[8, 64, 256], slots=[1, 2],
+                 skews=["uniform", "zipf:0.8", "zipf:1.0", "zipf:1.2", "zipf:1.5"])
+QUICK_GRID = dict(ranks=[8, 64], experts=[8, 64], slots=[1], skews=["uniform", "zipf:1.2"])
+TOPK = {8: 2, 64: 6, 256: 8}  # Mixtral-like, a mid-size MoE, DeepSeek-like
+TOKENS_PER_RANK = 4096
+RANKS_PER_NODE = 8
+
+
+def _counts(D, E, skew, seed=0):
+    from ..core.workloads import WorkloadSpec, counts
+
+    return counts(WorkloadSpec(num_ranks=D, num_experts=E, topk=TOPK.get(E, min(8, E)),
+                               tokens_per_rank=TOKENS_PER_RANK, skew=skew, seed=seed))
+
+
+def _progress():
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    transient=False)
+
+
+def targets(rows: list[dict]) -> dict:
+    """The foundation targets, evaluated on the measured rows."""
+    ultra = [r for r in rows if r["policy"] == "ultraep" and "error" not in r]
+    bal_fail = [r for r in ultra
+                if r["max_over_mean_after"] > max(1.01, 1.005 * r["lower_bound_max_over_mean"]) + 1e-12]
+
+    def p50(D, E):
+        got = [r["plan_us_p50"] for r in ultra if r["ranks"] == D and r["experts"] == E]
+        return max(got) if got else None
+
+    out = {
+        "ultraep_balance": {"rows": len(ultra), "failing": len(bal_fail),
+                            "rule": "max/mean <= max(1.01, 1.005 * lower bound)",
+                            "failures": [{k: r[k] for k in ("ranks", "experts", "slots", "skew",
+                                                            "max_over_mean_after", "lower_bound_max_over_mean")}
+                                         for r in bal_fail]},
+        "ultraep_p50_us_ep64_e256_worst": p50(64, 256), "target_p50_us_ep64_e256": 100,
+        "ultraep_p50_us_ep1024_worst": max([r["plan_us_p50"] for r in ultra if r["ranks"] == 1024], default=None),
+        "target_p50_us_ep1024": 5000,
+    }
+    return out
+
+
+def bench_planners(out: str, quick: bool = False, plot: str | None = None, lp_instances: int | None = None) -> dict:
+    """Run the planner grid; write JSON to `out` (after every grid point, so nothing is lost) and a PNG."""
+    pin_one_core()
+    grid = QUICK_GRID if quick else FULL_GRID
+    reps, budget = (5, 0.02) if quick else (30, 0.3)
+    points = list(product(grid["ranks"], grid["experts"], grid["slots"], grid["skews"]))
+    rows: list[dict] = []
+    bounds = BoundCache({})
+    meta = {"command": "megatron-rails bench planners" + (" --quick" if quick else ""),
+            "python": sys.version.split()[0], "machine": platform.machine(), "cpu_pinned": 1,
+            "tokens_per_rank": TOKENS_PER_RANK, "topk": TOPK, "ranks_per_node": RANKS_PER_NODE,
+            "ultraep_kernel": "compiled" if _compiled() is not None else "python",
+            "started": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    result = {"meta": meta, "rows": rows}
+
+    def save():
+        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+        with open(out, "w") as f:
+            json.dump(result, f, indent=1)
+
+    with _progress() as prog:
+        task = prog.add_task("planner grid", total=len(points) * len(POLICIES))
+        for D, E, R, skew in points:
+            counts = _counts(D, E, skew)
+            cfg = PlannerConfig(D, E, min(RANKS_PER_NODE, D), R)
+            for policy in POLICIES:
+                prog.update(task, description=f"EP{D} E{E} R{R} {skew:9s} {policy:8s}")
+                base = {"policy": policy, "ranks": D, "experts": E, "slots": R, "skew": skew}
+                try:
+                    row = measure(policy, cfg, counts, bounds=bounds, min_reps=reps, budget_s=budget)
+                    row["skew"] = skew
+                except PlannerError as err:
+                    row = base | {"error": str(err)}
+                rows.append(row)
+                prog.advance(task)
+            save()
+    from ..core.planners.lp import time_vs_oracle
+
+    n_lp = lp_instances or (50 if quick else 500)
+    print(f"lp vs pulp+HiGHS on {n_lp} random instances ...", file=sys.stderr)
+    result["lp_vs_highs"] = time_vs_oracle(n_lp, seed=0)
+    result["targets"] = targets(rows)
+    meta["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S")
+    save()
+    png = plot or os.path.splitext(out)[0] + ".png"
+    plot_planners(result, png)
+    print(json.dumps(result["targets"], indent=1))
+    print(f"wrote {out} and {png}", file=sys.stderr)
+    return result
+
+
+def plot_planners(result: dict, png: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in result["rows"] if "error" not in r]
+    if not rows:
+        return
+    D0 = 64 if any(r["ranks"] == 64 for r in rows) else max(r["ranks"] for r in rows)
+    E0 = max(r["experts"] for r in rows)
+    R0 = max(r["slots"] for r in rows)
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    skews = list(dict.fromkeys(r["skew"] for r in rows))
+    x = np.arange(len(skews))
+    sel = [r for r in rows if r["ranks"] == D0 and r["experts"] == E0 and r["slots"] == R0]
+    for k, pol in enumerate(POLICIES):
+        ys = [next((r["max_over_mean_after"] for r in sel if r["policy"] == pol and r["skew"] == s), np.nan)
+              for s in skews]
+        ax1.bar(x + (k - 2) * 0.15, ys, width=0.15, label=pol)
+    bound = [next((r["lower_bound_max_over_mean"] for r in sel if r["policy"] == "ultraep" and r["skew"] == s),
+                  np.nan) for s in skews]
+    ax1.plot(x, bound, "k_", markersize=30, mew=2, label="LP bound (owner + R slots)")
+    ax1.set_xticks(x, skews)
+    ax1.set_yscale("log")
+    ax1.set_ylabel("max / mean tokens per rank")
+    ax1.set_title(f"balance after planning, EP{D0} E{E0} R{R0}")
+    ax1.legend(fontsize=8)
+    for pol in POLICIES:
+        pts = sorted({(r["ranks"], r["plan_us_p50"]) for r in rows
+                      if r["policy"] == pol and r["experts"] == E0 and r["slots"] == R0
+                      and r["skew"] == skews[-1]})
+        if pts:
+            ax2.plot(*zip(*pts), marker="o", label=pol)
+    ax2.axhline(100, color="grey", ls=":", lw=1)
+    ax2.axhline(5000, color="grey", ls=":", lw=1)
+    ax2.set_xscale("log", base=2)
+    ax2.set_yscale("log")
+    ax2.set_xlabel("expert-parallel ranks")
+    ax2.set_ylabel("plan latency p50 (us, one core)")
+    ax2.set_title(f"planner latency, E{E0} R{R0} {skews[-1]}")
+    ax2.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+
+
+def planner_demo(json_out: bool = False) -> int:
+    """Compare every policy on a Mixtral-like and a DeepSeek-like skewed step."""
+    pin_one_core()
+    cases = [("Mixtral-like EP8 E8 top-2, zipf 1.2", 8, 8, 1, "zipf:1.2"),
+             ("DeepSeek-like EP64 E256 top-8, zipf 1.2", 64, 256, 2, "zipf:1.2")]
+    bounds = BoundCache({})
+    out = []
+    for title, D, E, R, skew in cases:
+        counts = _counts(D, E, skew)
+        cfg = PlannerConfig(D, E, min(RANKS_PER_NODE, D), R)
+        rows = []
+        for policy in POLICIES:
+            try:
+                rows.append(measure(policy, cfg, counts, bounds=bounds, min_reps=20, budget_s=0.1))
+            except PlannerError as err:
+                rows.append({"policy": policy, "error": str(err)})
+        out.append({"case": title, "rows": rows})
+    if json_out:
+        print(json.dumps(out))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    con = Console()
+    for case in out:
+        t = Table(title=case["case"])
+        for col in ("policy", "max/mean before", "after", "LP bound", "cross-node tokens", "weight moves",
+                    "plan p50 us", "plan p99 us"):
+            t.add_column(col, justify="right")
+        for r in case["rows"]:
+            if "error" in r:
+                t.add_row(r["policy"], "-", "-", "-", "-", "-", "-", r["error"][:40])
+                continue
+            t.add_row(r["policy"], f"{r['max_over_mean_before']:.3f}", f"{r['max_over_mean_after']:.3f}",
+                      f"{r['lower_bound_max_over_mean']:.3f}", str(r["cross_node_tokens"]), str(r["weight_moves"]),
+                      f"{r['plan_us_p50']:.0f}", f"{r['plan_us_p99']:.0f}")
+        con.print(t)
+    return 0

@@ -1,0 +1,219 @@
+"""`megatron-rails bench rails`: direct (PXN) vs ecmp vs RailS all-to-all in the flow-level model.
+
+Grid: topologies x nodes x traffic families (rails/traffic.py). Per case: every scheme's completion
+(fluid and phased), the lower bound, bus bandwidth, RailS / lower bound, RailS's busbw gain over
+direct and ecmp, and whether the target holds (RailS completion <= 1.03 x lower bound on every skewed
+case, i.e. every family but uniform). JSON is rewritten after every case; a PNG goes next to it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+import time
+from itertools import product
+
+import numpy as np
+
+from ..sim.rails import SCHEMES, simulate
+from ..core.topology import load_topology
+from ..sim.traffic import make_traffic
+
+# what-if topologies (not presets): DGX H100 NVLink with 800 Gb/s NICs, where NVLink is only 4.5x a NIC
+WHAT_IF = {"dgx-h100-800g": ("dgx-h100", dict(nic_gbps=800.0, description="what-if: DGX H100 with 800 Gb/s NICs"))}
+FULL_GRID = dict(topologies=["dgx-h100", "dgx-a100", "dgx-h100-800g"], nodes=[2, 4, 8, 16, 32, 64, 128],
+                 traffic=["uniform", "zipf:0.8", "zipf:1.0", "zipf:1.2", "zipf:1.5", "mixtral", "deepseek"])
+QUICK_GRID = dict(topologies=["dgx-h100"], nodes=[2, 4], traffic=["uniform", "zipf:1.2", "mixtral"])
+TARGET_RATIO = 1.03
+PAPER_GAIN = (0.20, 0.78)  # RailS paper (arXiv 2510.19262): bus bandwidth +20-78%
+TOKENS_PER_RANK = 4096
+KEEP = ("completion_us", "phased_us", "busbw_gbps", "busbw_GBps", "ratio_to_lb", "bottleneck", "hops",
+        "rail_max_over_mean", "rail_node_max_over_mean", "nvlink_max_over_nic_max", "forwarded_frac")
+
+
+def bench_topology(name: str):
+    """A preset, or one of the WHAT_IF variants of a preset."""
+    if name in WHAT_IF:
+        import dataclasses
+
+        base, changes = WHAT_IF[name]
+        return dataclasses.replace(load_topology(base), name=name, **changes)
+    return load_topology(name)
+
+
+def run_case(topology: str, nodes: int, family: str, seed: int = 0) -> dict:
+    topo = bench_topology(topology).with_nodes(nodes)
+    t0 = time.perf_counter()
+    tr = make_traffic(family, topo.world_size, topo.gpus_per_node, tokens_per_rank=TOKENS_PER_RANK, seed=seed)
+    res = {r.scheme: r for r in simulate(tr.tokens_DD, topo, tr.bytes_per_token)}
+    rails, direct, ecmp = res["rails"], res["direct"], res["ecmp"]
+    skewed = family != "uniform"
+    row = {"topology": topology, "what_if": topology in WHAT_IF, "nodes": nodes, "ranks": topo.world_size,
+           "family": family} | tr.describe()
+    row |= {"lower_bound_us": rails.lower_bound_us, "lb_term": rails.lb_term,
+            "schemes": {s: {k: getattr(res[s], k) for k in KEEP} for s in SCHEMES},
+            "rails_over_lb": rails.ratio_to_lb,
+            "busbw_gain_over_direct": direct.completion_us / rails.completion_us - 1,
+            "busbw_gain_over_ecmp": ecmp.completion_us / rails.completion_us - 1,
+            "phased_gain_over_direct": direct.phased_us / rails.phased_us - 1,
+            "skewed": skewed, "target_met": (rails.ratio_to_lb <= TARGET_RATIO) if skewed else None,
+            "seconds": time.perf_counter() - t0}
+    return row
+
+
+def summarize(rows: list[dict]) -> dict:
+    """The target and the gains over the preset topologies; what-if topologies reported on their own."""
+    what_if = [r for r in rows if r.get("what_if")]
+    rows = [r for r in rows if not r.get("what_if")]
+    skewed = [r for r in rows if r["skewed"]]
+    fails = [r for r in skewed if not r["target_met"]]
+
+    def stats(vals):
+        vals = np.asarray(vals, dtype=np.float64)
+        if not vals.size:
+            return {}
+        return {"min": float(vals.min()), "median": float(np.median(vals)), "max": float(vals.max())}
+
+    by = {}
+    for r in rows:
+        key = f"{r['topology']} {r['family']}"
+        by.setdefault(key, []).append(r)
+    return {
+        "target": f"rails completion <= {TARGET_RATIO} x lower bound on every skewed case",
+        "skewed_cases": len(skewed), "failing": len(fails), "target_met": not fails,
+        "failures": [{k: r[k] for k in ("topology", "nodes", "family", "rails_over_lb")} for r in fails],
+        "worst_rails_over_lb": max((r["rails_over_lb"] for r in rows), default=None),
+        "busbw_gain_over_direct_skewed": stats([r["busbw_gain_over_direct"] for r in skewed]),
+        "busbw_gain_over_ecmp_skewed": stats([r["busbw_gain_over_ecmp"] for r in skewed]),
+        "phased_gain_over_direct_skewed": stats([r["phased_gain_over_direct"] for r in skewed]),
+        "paper_busbw_gain": {"min": PAPER_GAIN[0], "max": PAPER_GAIN[1], "source": "arXiv 2510.19262"},
+        "by_family": {k: {"busbw_gain_over_direct": stats([r["busbw_gain_over_direct"] for r in v]),
+                          "rails_over_lb_max": max(r["rails_over_lb"] for r in v)} for k, v in by.items()},
+        "what_if": {t: {"skewed_cases": sum(r["skewed"] for r in what_if if r["topology"] == t),
+                        "failing": sum(r["skewed"] and not r["target_met"] for r in what_if if r["topology"] == t),
+                        "worst_rails_over_lb": max(r["rails_over_lb"] for r in what_if if r["topology"] == t),
+                        "failures": [{k: r[k] for k in ("nodes", "family", "rails_over_lb")} for r in what_if
+                                     if r["topology"] == t and r["skewed"] and not r["target_met"]],
+                        "busbw_gain_over_direct_skewed": stats([r["busbw_gain_over_direct"] for r in what_if
+                                                                if r["topology"] == t and r["skewed"]])}
+                    for t in dict.fromkeys(r["topology"] for r in what_if)},
+    }
+
+
+def bench_rails(out: str, quick: bool = False, plot: str | None = None) -> dict:
+    grid = QUICK_GRID if quick else FULL_GRID
+    cases = list(product(grid["topologies"], grid["nodes"], grid["traffic"]))
+    rows: list[dict] = []
+    meta = {"command": "megatron-rails bench rails" + (" --quick" if quick else ""),
+            "python": sys.version.split()[0], "machine": platform.machine(), "tokens_per_rank": TOKENS_PER_RANK,
+            "model": "fluid pipelined (completion_us) and three-phase store-and-forward (phased_us); "
+                     "see megatron_rails/rails/sim.py", "grid": grid, "started": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    result = {"meta": meta, "rows": rows}
+
+    def save():
+        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+        with open(out, "w") as f:
+            json.dump(result, f, indent=1)
+
+    from .planners import _progress
+
+    with _progress() as prog:
+        task = prog.add_task("rails grid", total=len(cases))
+        for topology, nodes, family in cases:
+            prog.update(task, description=f"{topology} x{nodes:<3d} {family:9s}")
+            row = run_case(topology, nodes, family)
+            rows.append(row)
+            prog.advance(task)
+            prog.console.print(f"{topology} x{nodes:<3d} {family:9s} rails/LB {row['rails_over_lb']:.4f} "
+                               f"gain vs direct {100 * row['busbw_gain_over_direct']:+6.1f}% "
+                               f"vs ecmp {100 * row['busbw_gain_over_ecmp']:+6.1f}% ({row['seconds']:.1f}s)")
+            save()
+    result["summary"] = summarize(rows)
+    meta["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S")
+    save()
+    png = plot or os.path.splitext(out)[0] + ".png"
+    plot_rails(result, png)
+    print(json.dumps(result["summary"], indent=1))
+    print(f"wrote {out} and {png}", file=sys.stderr)
+    return result
+
+
+def plot_rails(result: dict, png: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["rows"]
+    if not rows:
+        return
+    topo0 = rows[0]["topology"]
+    sel = [r for r in rows if r["topology"] == topo0]
+    fams = list(dict.fromkeys(r["family"] for r in sel))
+    skewed_fam = "zipf:1.2" if "zipf:1.2" in fams else fams[-1]
+    fig, axes = plt.subplots(1, 3, figsize=(17, 4.8))
+    ax = axes[0]
+    for scheme, style in zip(SCHEMES, ("o-", "s--", "^-")):
+        pts = sorted((r["nodes"], r["schemes"][scheme]["busbw_GBps"]) for r in sel if r["family"] == skewed_fam)
+        ax.plot(*zip(*pts), style, label=f"{scheme} ({skewed_fam})")
+    pts = sorted((r["nodes"], r["schemes"]["rails"]["busbw_GBps"]) for r in sel if r["family"] == "uniform")
+    if pts:
+        ax.plot(*zip(*pts), "k:", label="rails = direct (uniform)")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("nodes")
+    ax.set_ylabel("bus bandwidth (GB/s, nccl-tests definition)")
+    ax.set_title(f"{topo0}: all-to-all bus bandwidth")
+    ax.legend(fontsize=8)
+    ax = axes[1]
+    for fam in fams:
+        pts = sorted((r["nodes"], 100 * r["busbw_gain_over_direct"]) for r in sel if r["family"] == fam)
+        ax.plot(*zip(*pts), "o-", label=fam)
+    ax.axhspan(100 * PAPER_GAIN[0], 100 * PAPER_GAIN[1], color="grey", alpha=0.2, label="RailS paper: +20-78%")
+    ax.set_xscale("log", base=2)
+    ax.set_ylim(bottom=-20)
+    ax.set_xlabel("nodes")
+    ax.set_ylabel("RailS busbw gain over direct (%)")
+    ax.set_title(f"{topo0}: gain over rail-matched direct (PXN)")
+    ax.legend(fontsize=7, ncol=2)
+    ax = axes[2]
+    for topo, ls in zip(dict.fromkeys(r["topology"] for r in rows), ("-", "--", ":")):
+        for k, fam in enumerate(fams):
+            pts = sorted((r["nodes"], r["rails_over_lb"]) for r in rows if r["topology"] == topo and r["family"] == fam)
+            if pts:
+                ax.plot(*zip(*pts), ls, marker="o", ms=3, color=f"C{k}", label=f"{fam} {topo}" if ls == "-" else None)
+        ax.plot([], [], ls, color="grey", label=topo)
+    ax.axhline(TARGET_RATIO, color="red", ls=":", lw=1, label=f"target {TARGET_RATIO}")
+    ax.set_xscale("log", base=2)
+    ax.set_ylim(0.998, max(TARGET_RATIO + 0.005, 1.005 * max(r["rails_over_lb"] for r in rows)))
+    ax.set_xlabel("nodes")
+    ax.set_ylabel("RailS completion / lower bound")
+    ax.set_title("RailS distance from the lower bound")
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+
+
+def markdown_tables(result: dict) -> str:
+    """The results tables of docs/rails.md, from a bench result (a test keeps the doc in sync)."""
+    rows = result["rows"]
+    lines = []
+    for topo in dict.fromkeys(r["topology"] for r in rows):
+        sel = [r for r in rows if r["topology"] == topo]
+        nodes = sorted({r["nodes"] for r in sel})
+        label = f"{topo} (what-if, not a preset)" if any(r.get("what_if") for r in sel) else topo
+        lines += [f"{label}: RailS bus-bandwidth gain over direct / over ecmp, by number of nodes; "
+                  "the worst RailS completion / lower bound of the row", "",
+                  "| traffic | " + " | ".join(str(n) for n in nodes) + " | max RailS/LB |",
+                  "|---" * (len(nodes) + 2) + "|"]
+        for fam in dict.fromkeys(r["family"] for r in sel):
+            cells = []
+            for n in nodes:
+                r = next((r for r in sel if r["family"] == fam and r["nodes"] == n), None)
+                cells.append("-" if r is None else f"{100 * r['busbw_gain_over_direct']:+.0f}% / "
+                                                   f"{100 * r['busbw_gain_over_ecmp']:+.0f}%")
+            worst = max(r["rails_over_lb"] for r in sel if r["family"] == fam)
+            lines.append(f"| {fam} | " + " | ".join(cells) + f" | {worst:.4f} |")
+        lines.append("")
+    return "\n".join(lines)

@@ -1,0 +1,4 @@
+"""The `megatron-rails` command line (tools layer, the top)."""
+from .main import main
+
+__all__ = ["main"]

@@ -1,0 +1,117 @@
+"""`megatron-rails config validate | show | docs`: check, print and document config files.
+
+    megatron-rails config validate configs/**/*.yaml          # OK per file; every error, exit 1
+    megatron-rails config show configs/mini/mini-mixtral.yaml balancer.policy=ultraep training.train_iters=10
+    megatron-rails config show FILE --get parallelism.backend   # one value (the Slurm launcher uses it)
+    megatron-rails config show FILE --megatron-args             # pretrain_gpt.py flags
+    megatron-rails config docs --out docs/configuration.md      # regenerate the reference
+"""
+from __future__ import annotations
+
+import dataclasses
+import shlex
+import sys
+
+
+def _as_dict(obj) -> dict:
+    return obj.to_dict() if hasattr(obj, "to_dict") else dataclasses.asdict(obj)
+
+
+def _kind(obj) -> str:
+    return {"RunConfig": "run", "PolicyConfig": "policy", "Topology": "topology"}[type(obj).__name__]
+
+
+def _summary(obj) -> str:
+    kind = _kind(obj)
+    if kind == "run":
+        m, p = obj.model, obj.parallelism
+        bal = obj.balancer.policy if obj.balancer else "none (stock Megatron-Core)"
+        return (f"run: {m.num_layers} layers, {m.num_experts} experts top-{m.moe_router_topk}, world {p.world_size} "
+                f"= {p.nodes} x {obj.topology.gpus_per_node} ({obj.topology.name}), TP{p.tensor_model_parallel_size} "
+                f"PP{p.pipeline_model_parallel_size} EP{p.expert_model_parallel_size}, balancer {bal}")
+    if kind == "policy":
+        return f"policy: {obj.policy}, slots {obj.slots}"
+    return f"topology: {obj.gpus_per_node} GPUs x {obj.rails_per_node} rails per node"
+
+
+def cmd_validate(args) -> int:
+    from ..core.policy import ConfigError
+    from ..config.run import load_any
+
+    failed = 0
+    for path in args.files:
+        try:
+            obj = load_any(path)
+        except ConfigError as err:
+            failed += 1
+            for line in getattr(err, "errors", None) or str(err).splitlines():
+                print(f"error: {line}", file=sys.stderr)
+            continue
+        print(f"OK {path} ({_summary(obj)})")
+    if failed:
+        print(f"{failed} of {len(args.files)} file(s) invalid", file=sys.stderr)
+    return 1 if failed else 0
+
+
+def _get(data: dict, dotted: str):
+    from ..core.policy import ConfigError
+
+    node = data
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            raise ConfigError(f"--get {dotted}: no such key in the resolved config")
+        node = node[part]
+    return node
+
+
+def cmd_show(args) -> int:
+    import yaml
+
+    from ..config.run import load_any
+
+    obj = load_any(args.file, args.overrides)
+    data = _as_dict(obj)
+    if args.megatron_args:
+        if _kind(obj) != "run":
+            raise ValueError(f"{args.file}: --megatron-args needs a run config, this is a {_kind(obj)} config")
+        print(shlex.join(obj.megatron_args()))
+        return 0
+    if args.get:
+        for key in args.get:
+            v = _get(data, key)
+            print(yaml.safe_dump(v, sort_keys=False).strip() if isinstance(v, (dict, list)) else
+                  ("null" if v is None else str(v).lower() if isinstance(v, bool) else v))
+        return 0
+    print(f"# {args.file} ({_kind(obj)} config, validated{', with ' + ' '.join(args.overrides) if args.overrides else ''})")
+    print(yaml.safe_dump(data, sort_keys=False, default_flow_style=False), end="")
+    return 0
+
+
+def cmd_docs(args) -> int:
+    from ..config.docs import generate
+
+    text = generate()
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+    else:
+        print(text, end="")
+    return 0
+
+
+def register(sub) -> None:
+    """Add the `config` command to the top-level subparsers."""
+    c = sub.add_parser("config", help="validate, show or document run/policy/topology YAML configs")
+    csub = c.add_subparsers(dest="config_command", required=True)
+    v = csub.add_parser("validate", help="check files; prints OK per file, or every error naming file and key")
+    v.add_argument("files", nargs="+", metavar="FILE")
+    v.set_defaults(func=cmd_validate)
+    s = csub.add_parser("show", help="print the merged, validated config as YAML")
+    s.add_argument("file", metavar="FILE")
+    s.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="e.g. balancer.policy=ultraep")
+    s.add_argument("--get", action="append", metavar="KEY", help="print only this dotted key (repeatable)")
+    s.add_argument("--megatron-args", action="store_true", help="print the Megatron-LM flags of a run config")
+    s.set_defaults(func=cmd_show)
+    d = csub.add_parser("docs", help="print (or --out) docs/configuration.md, generated from the dataclasses")
+    d.add_argument("--out", help="write here instead of stdout")
+    d.set_defaults(func=cmd_docs)

@@ -1,0 +1,87 @@
+"""`megatron-rails simulate a2a`: all-to-all completion of direct, ecmp and RailS on a rail topology.
+
+`register(subparsers)` adds the `a2a` command (and `run`, the iteration-time simulator of sim/cli.py)
+to the `simulate` group's sub-parsers (cli.py); `register_trace` adds the top-level `trace` command.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def register(subparsers) -> None:
+    from ..sim.traffic import TRAFFIC_FORMS
+
+    p = subparsers.add_parser(
+        "a2a", help="flow-level all-to-all completion of direct (PXN), ecmp and rails on a topology",
+        description="Simulate one dispatch all-to-all under three routing schemes (fluid model, see docs/rails.md).")
+    p.add_argument("--topology", default="dgx-h100", help="preset name (dgx-a100, dgx-h100, nvl72) or a YAML path")
+    p.add_argument("--nodes", type=_positive("--nodes"), required=True, help="number of nodes")
+    p.add_argument("--traffic", default="zipf:1.2", help=TRAFFIC_FORMS)
+    p.add_argument("--tokens-per-rank", type=int, default=4096, help="tokens each rank routes (before top-k)")
+    p.add_argument("--hidden", type=_positive("--hidden"), help="hidden size (default: the family's)")
+    p.add_argument("--experts", type=_positive("--experts"), help="number of experts (default: the family's)")
+    p.add_argument("--topk", type=_positive("--topk"), help="experts per token (default: the family's)")
+    p.add_argument("--dtype-bytes", type=_positive("--dtype-bytes"), default=2, help="bytes per element (bf16: 2)")
+    p.add_argument("--slots", type=int, default=1, help="R for the planner of plan/mixtral/deepseek traffic")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true", help="print a JSON list, one object per scheme")
+    p.set_defaults(func=cmd_a2a)
+
+    from .sim_run import register_run
+
+    register_run(subparsers)
+
+
+def register_trace(subparsers) -> None:
+    """The top-level `megatron-rails trace` command (megatron_rails/trace.py)."""
+    from ..demo.trace import register
+
+    register(subparsers)
+
+
+def run_a2a(args) -> tuple[dict, list[dict]]:
+    from ..sim.rails import simulate
+    from ..core.topology import load_topology
+    from ..sim.traffic import make_traffic
+
+    topo = load_topology(args.topology).with_nodes(args.nodes)
+    D = topo.world_size
+    tr = make_traffic(args.traffic, D, topo.gpus_per_node, tokens_per_rank=args.tokens_per_rank,
+                      hidden=args.hidden, dtype_bytes=args.dtype_bytes, experts=args.experts, topk=args.topk,
+                      seed=args.seed, slots=args.slots)
+    head = {"topology": topo.name, "nodes": topo.nodes} | tr.describe()
+    rows = [head | r.to_dict() for r in simulate(tr.tokens_DD, topo, tr.bytes_per_token)]
+    direct = next(r for r in rows if r["scheme"] == "direct")
+    for r in rows:
+        r["busbw_gain_over_direct"] = r["busbw_gbps"] / direct["busbw_gbps"] - 1 if direct["busbw_gbps"] else 0.0
+    return head, rows
+
+
+def cmd_a2a(args) -> int:
+    head, rows = run_a2a(args)
+    if args.json:
+        print(json.dumps(rows))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    mib = head["total_bytes"] / head["ranks"] / 2**20
+    t = Table(title=f"all-to-all on {head['topology']} x {head['nodes']} nodes ({head['ranks']} GPUs), "
+                    f"traffic {head['traffic']}, {mib:.1f} MiB/rank mean")
+    for col in ("scheme", "t us", "phased us", "LB us", "t/LB", "busbw GB/s", "vs direct", "rail max/mean",
+                "in-node", "bottleneck", "hops"):
+        t.add_column(col, justify="left" if col in ("scheme", "bottleneck") else "right")
+    for r in rows:
+        t.add_row(r["scheme"], f"{r['completion_us']:.1f}", f"{r['phased_us']:.1f}", f"{r['lower_bound_us']:.1f}",
+                  f"{r['ratio_to_lb']:.3f}", f"{r['busbw_GBps']:.2f}", f"{100 * r['busbw_gain_over_direct']:+.1f}%",
+                  f"{r['rail_max_over_mean']:.2f}", f"{r['rail_node_max_over_mean']:.3f}", r["bottleneck"],
+                  str(r["hops"]))
+    con = Console()
+    if not con.is_terminal:
+        con = Console(width=max(con.width, 120))
+    con.print(t)
+    print("t: fluid completion; phased: three store-and-forward phases; LB: lower bound; busbw in GB/s "
+          "(nccl-tests all-to-all definition, S = mean bytes per rank); rail max/mean: busiest NIC port / mean over "
+          "all ports; in-node: the worst node's busiest rail / its mean rail")
+    return 0

@@ -1,0 +1,89 @@
+"""`megatron-rails simulate run CONFIG [KEY=VALUE ...]`: iteration time per policy x comm (docs/simulator.md)."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .args import int_at_least as _int_at_least
+from ..sim.model import A2A_MODELS, OVERLAPS, WEIGHT_SYNCS
+
+
+def register_run(subparsers) -> None:
+    p = subparsers.add_parser(
+        "run", help="iteration time of a run config per policy x comm (compute, all-to-all, weights, planner)",
+        description="Simulate training iterations of a run config under each balancing policy and comm scheme: "
+                    "expert compute on the busiest rank, token all-to-all, weight movement, measured planner "
+                    "time and the dense part, on the config's topology (analytic; see docs/simulator.md).")
+    p.add_argument("config", help="run config YAML, e.g. configs/mixtral/mixtral-8x7b.yaml")
+    p.add_argument("overrides", nargs="*", help="run-config overrides KEY=VALUE right after the config, "
+                   "e.g. topology=dgx-a100 (or anywhere with --set)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a run-config override (repeatable)")
+    p.add_argument("--policies", default="none,eplb,fsep,ultraep,lp", help="comma-separated policies")
+    p.add_argument("--comm", default="direct,rails", help="comma-separated comm schemes (direct, rails)")
+    p.add_argument("--steps", type=_int_at_least("--steps", 1), default=5, help="simulated iterations (default 5)")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--skew", default="zipf:1.2", help="synthetic routing: uniform | zipf:S | drift:S[:P] | "
+                     "bursty:S[:F[:R]] | one (default zipf:1.2)")
+    src.add_argument("--trace", help="replay a counts trace (megatron-rails trace .npz, or .npy/.json counts)")
+    p.add_argument("--trace-tokens", choices=("scale", "raw"), default="scale",
+                   help="scale: rescale each trace row to the config's tokens per rank (default); raw: as recorded")
+    p.add_argument("--seed", type=_int_at_least("--seed", 0), default=0, help="workload seed")
+    p.add_argument("--slots", type=_int_at_least("--slots", 0),
+                   help="R for every policy (default: the config's balancer)")
+    p.add_argument("--mfu", type=float, default=0.5, help="GEMM efficiency: achieved / peak gpu_tflops (default 0.5)")
+    p.add_argument("--overlap", choices=OVERLAPS, default="none",
+                   help="none: everything in sequence (default); weights: weight movement hidden behind dense compute")
+    p.add_argument("--weight-sync", choices=WEIGHT_SYNCS, default="microbatch",
+                   help="microbatch: weights move every microbatch, as the dispatcher does (default); "
+                        "iteration: once per iteration, kept for all its microbatches")
+    p.add_argument("--a2a-model", choices=A2A_MODELS, default="fluid",
+                   help="all-to-all time: fluid (pipelined, default) or phased (store-and-forward per phase)")
+    p.add_argument("--json", action="store_true", help="print one JSON object (setup, options, assumptions, rows)")
+    p.add_argument("--plot", help="write a PNG of stacked bars per policy x comm")
+    p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    p.set_defaults(func=cmd_run)
+
+
+def run(args) -> dict:
+    from ..config.run import load_run_config
+    from ..sim.model import Setup, SimOptions
+    from ..sim.run import Workload, check_names, simulate_run
+
+    policies, comms = check_names(args.policies, args.comm)  # fail before loading anything
+    opts = SimOptions(mfu=args.mfu, overlap=args.overlap, a2a_model=args.a2a_model, weight_sync=args.weight_sync)
+    rc = load_run_config(args.config, [*args.overrides, *args.set])
+    setup = Setup.from_run_config(rc, args.slots)
+    if args.trace:
+        from ..demo.trace import load_trace
+
+        counts, _ = load_trace(args.trace)
+        wl = Workload(setup, trace=counts, trace_path=args.trace, raw=args.trace_tokens == "raw", seed=args.seed)
+    else:
+        wl = Workload(setup, skew=args.skew, seed=args.seed)
+
+    def progress(done, total, elapsed):
+        if not args.quiet:
+            print(f"simulate run: step {done}/{total} ({setup.layers} layers x {len(policies)} policies), "
+                  f"{elapsed:.1f} s", file=sys.stderr, flush=True)
+
+    if not args.quiet:
+        print(f"simulate run: {args.config}: EP{setup.ep} on {setup.ep_topo.nodes} node(s) of {setup.topology.name}, "
+              f"{setup.layers} layers, {args.steps} step(s), workload {wl.describe()}", file=sys.stderr, flush=True)
+    return simulate_run(setup, opts, policies, comms, args.steps, wl, progress)
+
+
+def cmd_run(args) -> int:
+    from ..sim.report import plot, print_table
+
+    result = run(args)
+    if args.plot:
+        plot(result, args.plot)
+        result["plot"] = args.plot
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print_table(result)
+        if args.plot:
+            print(f"plot: {args.plot}")
+    return 0

@@ -1,0 +1,106 @@
+"""Cross-section checks of a run config, and the values derived from them.
+
+Each section of a RunConfig is valid on its own once `build` accepts it; what remains are the rules
+that tie sections together (Megatron-Core's divisibility rules, the topology against the parallel
+sizes, the balancer against the expert-parallel group). `check_run` applies them all, reports every
+violation naming the file and the key, and fills in what the file may leave out: the world size, the
+global batch, the topology's node count and the balancer's EP ranks per node.
+
+Rank layout assumed (Megatron-Core's default order): the dense grid is tp-cp-ep-dp-pp and the expert
+grid tp-ep-dp-pp with the expert tensor-parallel size as its tp, so consecutive members of an
+expert-parallel group are `expert_tensor_parallel_size` ranks apart.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+
+def ep_ranks_per_node(gpus_per_node: int, ep: int, etp: int) -> int:
+    """EP-group members sharing a node: gpus_per_node / etp of them, at most the whole group."""
+    return min(ep, max(1, gpus_per_node // etp))
+
+
+def check_run(cfg, where: str, origin: dict):
+    """`cfg` with derived values filled in; ConfigError listing every cross-section problem."""
+    from ..core.planners import PlannerError, make_planner
+    from .schema import raise_errors
+
+    errors = []
+
+    def err(key, msg):
+        src = origin.get(key)
+        errors.append(f"{where}: {key}: {msg}" + (f" (from override '{src}')" if src else ""))
+
+    m, p, t, d, topo, bal = cfg.model, cfg.parallelism, cfg.training, cfg.data, cfg.topology, cfg.balancer
+    tp, pp, cp, ep = (p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.context_parallel_size,
+                      p.expert_model_parallel_size)
+    etp = p.expert_tensor_parallel_size or tp
+    G = topo.gpus_per_node
+
+    # topology x parallel sizes
+    if topo.nodes and topo.nodes != p.nodes:
+        err("topology.nodes", f"{topo.nodes} nodes, but parallelism.nodes is {p.nodes}")
+    world = p.nodes * G
+    if p.world_size is not None and p.world_size != world:
+        err("parallelism.world_size", f"{p.world_size}, but parallelism.nodes {p.nodes} x topology.gpus_per_node "
+            f"{G} (topology {topo.name!r}) = {world}")
+    if world % (tp * pp * cp):
+        err("parallelism", f"world size {world} is not divisible by tensor x pipeline x context parallel "
+            f"sizes {tp} x {pp} x {cp} = {tp * pp * cp}")
+    if world % (etp * ep * pp):
+        err("parallelism.expert_model_parallel_size",
+            f"world size {world} is not divisible by expert tensor x expert x pipeline parallel sizes "
+            f"{etp} x {ep} x {pp} = {etp * ep * pp}")
+
+    # model x parallel sizes (Megatron-Core's own rules)
+    if m.num_layers % pp:
+        err("model.num_layers", f"{m.num_layers} is not divisible by pipeline_model_parallel_size {pp}")
+    if m.num_attention_heads % tp:
+        err("model.num_attention_heads", f"{m.num_attention_heads} is not divisible by tensor_model_parallel_size {tp}")
+    if m.hidden_size % m.num_attention_heads:
+        err("model.hidden_size", f"{m.hidden_size} is not divisible by num_attention_heads {m.num_attention_heads}")
+    if m.num_query_groups is not None:
+        if m.num_attention_heads % m.num_query_groups:
+            err("model.num_query_groups", f"{m.num_query_groups} does not divide num_attention_heads "
+                f"{m.num_attention_heads}")
+        if m.num_query_groups % tp:
+            err("model.num_query_groups", f"{m.num_query_groups} is not divisible by tensor_model_parallel_size {tp}")
+    if m.moe_router_topk > m.num_experts:
+        err("model.moe_router_topk", f"{m.moe_router_topk} exceeds num_experts {m.num_experts}")
+    if m.position_embedding_type == "learned_absolute" and (m.max_position_embeddings or m.seq_length) < m.seq_length:
+        err("model.max_position_embeddings", f"{m.max_position_embeddings} is shorter than seq_length {m.seq_length}")
+
+    # training
+    dp = world // (tp * pp * cp) if world % (tp * pp * cp) == 0 else 0
+    gbs = t.global_batch_size
+    if dp and gbs is not None and gbs % (t.micro_batch_size * dp):
+        err("training.global_batch_size", f"{gbs} is not divisible by micro_batch_size {t.micro_batch_size} x "
+            f"data-parallel size {dp}")
+    if t.bf16 and t.fp16:
+        err("training.fp16", "bf16 and fp16 are both true")
+    if d.mock_data == bool(d.data_path):
+        err("data", "set exactly one of mock_data: true and data_path")
+
+    # balancer x expert-parallel group
+    G_ep = ep_ranks_per_node(G, ep, etp)
+    if bal is not None:
+        if m.moe_token_dispatcher_type != "alltoall":
+            err("model.moe_token_dispatcher_type", f"{m.moe_token_dispatcher_type!r}, but a balancer replaces the "
+                "alltoall dispatcher: set alltoall, or balancer: null for stock Megatron-Core")
+        if bal.ranks_per_node == 0:
+            bal = dataclasses.replace(bal, ranks_per_node=G_ep)
+        elif min(bal.ranks_per_node, ep) != G_ep:
+            err("balancer.ranks_per_node", f"{bal.ranks_per_node}, but this layout puts {G_ep} ranks of each "
+                f"expert-parallel group on a node (topology.gpus_per_node {G} / expert tensor parallel {etp}, "
+                f"at most expert_model_parallel_size {ep}); set {G_ep}, or 0 to derive it")
+        try:
+            make_planner(bal.policy, bal.planner_config(ep, m.num_experts))
+        except PlannerError as e:
+            err("balancer.policy", f"{bal.policy!r} cannot serve this layout: {e}")
+    if m.num_experts % ep and not any("balancer.policy" in x for x in errors):
+        err("model.num_experts", f"{m.num_experts} is not divisible by expert_model_parallel_size {ep} "
+            "(Megatron-Core's MoELayer needs num_experts % EP == 0)")
+    raise_errors(errors)
+    return dataclasses.replace(
+        cfg, parallelism=dataclasses.replace(p, world_size=world), topology=topo.with_nodes(p.nodes),
+        training=dataclasses.replace(t, global_batch_size=gbs or t.micro_batch_size * dp), balancer=bal)

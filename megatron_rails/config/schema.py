@@ -1,0 +1,166 @@
+"""Checking YAML data against frozen dataclasses: types, choices, minimums, unknown keys with a
+did-you-mean hint, `key.sub=value` overrides. Every message names the file and the dotted key.
+
+Field metadata read here (set by runconfig._f): doc, choices, min. Annotations understood: int, float,
+bool, str, list[str] and `X | None`. Floats also accept strings such as "3e-4" (PyYAML reads an exponent
+without a dot as text).
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from pathlib import Path
+
+from ..core.policy import ConfigError
+
+# keys people try first; difflib cannot see that `steps` means `train_iters`
+SYNONYMS = {"steps": "train_iters", "iters": "train_iters", "iterations": "train_iters", "layers": "num_layers",
+            "hidden": "hidden_size", "heads": "num_attention_heads", "experts": "num_experts",
+            "num_moe_experts": "num_experts", "topk": "moe_router_topk", "ffn": "ffn_hidden_size",
+            "seq": "seq_length", "seq_len": "seq_length", "learning_rate": "lr", "tp": "tensor_model_parallel_size",
+            "pp": "pipeline_model_parallel_size", "ep": "expert_model_parallel_size", "batch_size": "micro_batch_size",
+            "vocab": "vocab_size", "world": "world_size", "num_nodes": "nodes", "policy_file": "balancer"}
+
+
+def suggest(key, valid, prefix: str = "", elsewhere: dict | None = None) -> str:
+    """'; did you mean ...?' for an unknown key or value, else where it belongs, else the valid keys."""
+    key, valid = str(key), [str(v) for v in valid]
+    if key in SYNONYMS and SYNONYMS[key] in valid:
+        return f"; did you mean '{prefix}{SYNONYMS[key]}'?"
+    by_lower = {v.lower(): v for v in valid}
+    close = difflib.get_close_matches(key.lower(), list(by_lower), n=1, cutoff=0.6)
+    if close:
+        return f"; did you mean '{prefix}{by_lower[close[0]]}'?"
+    if elsewhere and key in elsewhere:
+        return f"; '{key}' belongs in the {elsewhere[key]} section ('{elsewhere[key]}.{key}')"
+    return f"; valid keys: {', '.join(sorted(valid))}"
+
+
+def type_name(tp) -> str:
+    args = typing.get_args(tp)
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        inner = next(a for a in args if a is not type(None))
+        return f"{type_name(inner)} or null"
+    if typing.get_origin(tp) is list:
+        return "list of strings"
+    return {int: "integer", float: "number", bool: "true or false", str: "string"}[tp]
+
+
+def _coerce(tp, v):
+    """(ok, value) for YAML value v against annotation tp."""
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        if v is None:
+            return True, None
+        tp = next(a for a in typing.get_args(tp) if a is not type(None))
+    if typing.get_origin(tp) is list:
+        v = [v] if isinstance(v, str) else v
+        return isinstance(v, list) and all(isinstance(x, str) for x in v), v
+    if tp is float:
+        if isinstance(v, str):
+            try:
+                return True, float(v)
+            except ValueError:
+                return False, v
+        return isinstance(v, (int, float)) and not isinstance(v, bool), float(v) if isinstance(v, (int, float)) else v
+    if tp is int:
+        return isinstance(v, int) and not isinstance(v, bool), v
+    return isinstance(v, tp), v
+
+
+def build(cls, data, where: str, prefix: str, errors: list, origin: dict | None = None, elsewhere=None):
+    """An instance of dataclass `cls` from mapping `data`, or None with messages appended to `errors`.
+    `prefix` names the section in messages ('training.'); `origin` maps dotted keys to the override
+    that set them; `elsewhere` maps keys of other sections to their section, for hints."""
+    origin = origin or {}
+    n0 = len(errors)
+    if not isinstance(data, dict):
+        errors.append(f"{where}: {prefix.rstrip('.') or 'top level'}: expected a mapping of keys to values, "
+                      f"got {data!r}")
+        return None
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    def err(key, msg):
+        src = origin.get(prefix + key)
+        errors.append(f"{where}: {prefix}{key}: {msg}" + (f" (from override '{src}')" if src else ""))
+
+    for k in data:
+        if k not in fields:
+            err(k, "unknown key" + suggest(k, fields, prefix, elsewhere))
+    kwargs = {}
+    for name, f in fields.items():
+        if name not in data:
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                err(name, "required key is missing")
+            continue
+        ok, v = _coerce(hints[name], data[name])
+        meta = f.metadata
+        if not ok:
+            err(name, f"expected {type_name(hints[name])}, got {data[name]!r}")
+        elif v is not None and meta.get("choices") and v not in meta["choices"]:
+            hint = suggest(v, meta["choices"])
+            err(name, f"must be one of {', '.join(map(str, meta['choices']))}, got {v!r}"
+                + (hint if "did you mean" in hint else ""))
+        elif v is not None and meta.get("min") is not None and v < meta["min"]:
+            err(name, f"must be >= {meta['min']}, got {v!r}")
+        kwargs[name] = v
+    if len(errors) > n0:
+        return None
+    try:
+        return cls(**kwargs)
+    except (ConfigError, TypeError) as e:  # the class's own checks name the key first ("slots: ...")
+        src = origin.get(prefix + str(e).split(":", 1)[0])
+        errors.append(f"{where}: {prefix}{e}" + (f" (from override '{src}')" if src else ""))
+        return None
+
+
+def raise_errors(errors: list) -> None:
+    if errors:
+        e = ConfigError("\n".join(errors))
+        e.errors = list(errors)
+        raise e
+
+
+def parse_override(text: str) -> tuple[list[str], object]:
+    """'training.train_iters=10' -> (['training', 'train_iters'], 10); the value is parsed as YAML."""
+    import yaml
+
+    key, sep, raw = str(text).partition("=")
+    parts = key.strip().split(".")
+    if not sep or not all(p.strip() for p in parts):
+        raise ConfigError(f"override {text!r}: expected KEY=VALUE or SECTION.KEY=VALUE, "
+                          f"e.g. training.train_iters=10")
+    try:
+        return [p.strip() for p in parts], yaml.safe_load(raw)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"override {text!r}: the value is not valid YAML ({e.problem})") from None
+
+
+def read_yaml(path) -> dict:
+    import yaml
+
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"{p}: file not found")
+    try:
+        data = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{p}: not valid YAML: {e}") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{p}: expected a mapping of keys to values at the top level")
+    return data
+
+
+def resolve_ref(ref: str, base: Path, preset_dir: Path, root: Path) -> Path | None:
+    """A referenced YAML: a preset name (no suffix), or a path relative to the cwd, the referring
+    file's directory or `root` (the repository), in that order."""
+    p = Path(ref)
+    if not p.suffix and not p.exists() and (preset_dir / f"{ref}.yaml").is_file():
+        return preset_dir / f"{ref}.yaml"
+    for cand in ([p] if p.is_absolute() else [p, base / p, root / p]):
+        if cand.is_file():
+            return cand
+    return None

@@ -1,0 +1,130 @@
+"""Policy configuration: which planner, its slot budget, and the communication backend.
+
+Loaded from YAML (`PolicyConfig.from_yaml`, or a preset name through `as_policy`) or built
+directly; unknown keys and wrong types raise `ConfigError` naming the file and key.
+
+The product default is defined here once: `PolicyConfig()` (FSEP re-layout with the RailS
+all-to-all). The `default` preset (presets/policies/default.yaml) spells out the same values, and
+a dispatcher built without a policy takes `PolicyConfig()`.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import presets
+
+COMMS = ("direct", "rails")
+
+
+class ConfigError(ValueError):
+    """A configuration file or value is invalid."""
+
+
+def from_mapping(cls, data: dict, where: str = "<dict>"):
+    """Build the config dataclass `cls` from a mapping; ConfigError naming `where` and the key for
+    unknown keys (listing the valid ones) and for every value the dataclass rejects."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ConfigError(f"{where}: unknown key(s) {', '.join(unknown)}; valid keys: {', '.join(sorted(names))}")
+    try:
+        return cls(**data)
+    except (ConfigError, TypeError) as err:
+        raise ConfigError(f"{where}: {err}") from None
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    """policy: none | eplb | fsep | ultraep | lp.  slots: R (see PlannerConfig).  ranks_per_node: G
+    (0 = all EP ranks on one node; also the node size of RailS's node and rail groups).  comm: direct |
+    rails.  tolerance: owner-layout policies move no weights while the stock max/mean tokens per
+    rank is within 1 + tolerance (PlannerConfig).  rails_tolerance: comm rails sprays an exchange
+    over all rails only when the rail-matched direct all-to-all would load its busiest rail more
+    than 1 + rails_tolerance times the even spread; otherwise it sends it direct.  check_plan: validate the plan and all-reduce its
+    digest every layer, raise on every rank on any invalid or differing plan (debug mode)."""
+
+    policy: str = "fsep"
+    slots: int = 1
+    ranks_per_node: int = 8
+    window: int = 10
+    interval: int = 10
+    placement: str = "ultraep"
+    comm: str = "rails"
+    check_plan: bool = False
+    tolerance: float = 0.05
+    rails_tolerance: float = 0.05
+
+    def __post_init__(self):
+        from .planners import POLICIES
+
+        if self.policy not in POLICIES:
+            raise ConfigError(f"policy: unknown policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
+        if self.comm not in COMMS:
+            raise ConfigError(f"comm: must be one of {', '.join(COMMS)}, got {self.comm!r}")
+        for key in ("slots", "ranks_per_node", "window", "interval"):
+            v = getattr(self, key)
+            if isinstance(v, bool) or not isinstance(v, int) or v < (0 if key in ("slots", "ranks_per_node") else 1):
+                raise ConfigError(f"{key}: expected a {'non-negative' if key in ('slots', 'ranks_per_node') else 'positive'} "
+                                  f"integer, got {v!r}")
+        from .planners.lp import PLACEMENTS
+
+        if self.placement not in PLACEMENTS:
+            raise ConfigError(f"placement: must be one of {', '.join(PLACEMENTS)} (the placement lp schedules on), "
+                              f"got {self.placement!r}")
+        if self.slots == 0 and (self.policy in ("eplb", "ultraep")
+                                or (self.policy == "lp" and self.placement != "fsep")):
+            raise ConfigError(f"slots: {self.policy} balances through redundant replica slots and needs slots >= 1 "
+                              f"(0 leaves it stock expert parallelism; use policy none for that)")
+        from .planners.base import valid_tolerance
+
+        if not valid_tolerance(self.tolerance):
+            raise ConfigError(f"tolerance: expected a number in [0, 1] (max/mean tokens per rank - 1 that owner-layout "
+                              f"policies leave as is), got {self.tolerance!r}")
+        if not valid_tolerance(self.rails_tolerance):
+            raise ConfigError(f"rails_tolerance: expected a number in [0, 1] (busiest rail over the even spread - 1 "
+                              f"that comm rails sends direct instead of spraying), got {self.rails_tolerance!r}")
+        if not isinstance(self.check_plan, bool):
+            raise ConfigError(f"check_plan: expected true or false, got {self.check_plan!r}")
+
+    @classmethod
+    def from_dict(cls, data: dict, where: str = "<dict>") -> "PolicyConfig":
+        return from_mapping(cls, data, where)
+
+    @classmethod
+    def from_yaml(cls, path) -> "PolicyConfig":
+        import yaml
+
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"{p}: policy config file not found")
+        data = yaml.safe_load(p.read_text()) or {}
+        if not isinstance(data, dict):
+            raise ConfigError(f"{p}: expected a mapping of keys to values at the top level")
+        return cls.from_dict(data, str(p))
+
+    @property
+    def sharded(self) -> bool:
+        """Whether the experts live as FSEP shards (fsep, or lp scheduling on an fsep placement)."""
+        return self.policy == "fsep" or (self.policy == "lp" and self.placement == "fsep")
+
+    def planner_config(self, num_ranks: int, num_experts: int):
+        from .planners import PlannerConfig
+
+        G = self.ranks_per_node or num_ranks
+        return PlannerConfig(num_ranks, num_experts, min(G, num_ranks), self.slots, window=self.window,
+                             interval=self.interval, placement=self.placement, tolerance=float(self.tolerance))
+
+
+def as_policy(cfg) -> PolicyConfig:
+    """A PolicyConfig from a PolicyConfig, a dict of its keys, a YAML path or a preset name."""
+    if isinstance(cfg, PolicyConfig):
+        return cfg
+    if isinstance(cfg, dict):
+        return PolicyConfig.from_dict(cfg)
+    if isinstance(cfg, (str, Path)):
+        preset = presets.find(presets.POLICY_DIR, str(cfg)) if not Path(cfg).suffix else None
+        return PolicyConfig.from_yaml(preset if preset is not None and not Path(cfg).exists() else cfg)
+    raise TypeError(f"a policy is a PolicyConfig, a dict, a YAML path or a preset name "
+                    f"({', '.join(presets.names(presets.POLICY_DIR))}), got {type(cfg).__name__}")

@@ -1,0 +1,21 @@
+"""The shipped presets: policy and topology YAMLs, package data under megatron_rails/presets/
+(the repository's configs/policies and configs/topology point there), so an installed package
+finds `balancer: default` and `topology: dgx-h100` wherever it runs."""
+from __future__ import annotations
+
+from pathlib import Path
+
+PRESETS_DIR = Path(__file__).resolve().parent.parent / "presets"
+POLICY_DIR = PRESETS_DIR / "policies"
+TOPOLOGY_DIR = PRESETS_DIR / "topology"
+
+
+def names(preset_dir: Path) -> list[str]:
+    """The preset names in `preset_dir` (file stems), sorted."""
+    return sorted(p.stem for p in preset_dir.glob("*.yaml"))
+
+
+def find(preset_dir: Path, name: str) -> Path | None:
+    """The preset file for `name` (no suffix), or None."""
+    p = preset_dir / f"{name}.yaml"
+    return p if "/" not in name and p.is_file() else None

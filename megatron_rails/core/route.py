@@ -1,0 +1,115 @@
+"""Token routes from per-replica quotas: which source rank sends how many tokens to which replica.
+
+Given the tokens every replica must compute (quota_R), tokens of an expert are matched to its replicas
+in two phases: first inside every node (as much as the node's own supply and quota allow), then the
+remainder across nodes. The tokens crossing nodes are then sum over (expert, node) of
+max(0, supply - quota), the minimum any route with these quotas can reach. Both phases are a
+north-west-corner matching of two ordered streams with equal totals, so every expert's split has at
+most (sources + replicas) entries and the whole computation is a handful of vectorized passes.
+
+Legend: D ranks, E experts, R replicas, K experts split over two or more replicas.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .errors import PlanError
+
+
+def nw_corner(a: np.ndarray, b: np.ndarray):
+    """Match supply a[i] to demand b[j] (int64, equal totals) in order.
+
+    Returns (i, j, amount) int64 arrays with amount > 0, ordered by position in the streams.
+    """
+    A, B = np.cumsum(a), np.cumsum(b)
+    if A.size == 0 or A[-1] == 0:
+        z = np.zeros(0, dtype=np.int64)
+        return z, z, z
+    P = np.union1d(A, B)
+    P = P[P > 0]
+    amount = np.diff(P, prepend=0)
+    # segment (P[k-1], P[k]] lies in the first supply (demand) entry whose cumulative sum reaches P[k]
+    return np.searchsorted(A, P, "left"), np.searchsorted(B, P, "left"), amount
+
+
+def _local_part(x: np.ndarray, group: np.ndarray, cap_G: np.ndarray) -> np.ndarray:
+    """Per element, the share of x that fits under its group's cap when filled in order."""
+    before = np.cumsum(x) - x
+    group_start = np.cumsum(np.bincount(group, weights=x, minlength=cap_G.size).astype(np.int64))
+    group_start = np.r_[0, group_start[:-1]]
+    return np.clip(cap_G[group] - (before - group_start[group]), 0, x)
+
+
+def split_by_quota(counts_DE: np.ndarray, placement, quota_R) -> tuple[np.ndarray, ...]:
+    """Route counts_DE (int64 [D, E]) so that replica r receives quota_R[r] tokens.
+
+    Returns (src_M, rep_M, tok_M) int64 triples (unsorted, positive). PlanError if a quota is
+    negative or an expert's quotas do not sum to its tokens.
+    """
+    p = placement
+    D, E = counts_DE.shape
+    quota = np.asarray(quota_R, dtype=np.int64)
+    if quota.shape != (p.num_replicas,):
+        raise PlanError(f"quota_R has shape {quota.shape}, expected ({p.num_replicas},) (one per replica)")
+    if quota.size and quota.min() < 0:
+        raise PlanError(f"replica {int(np.argmin(quota))} has a negative quota {quota.min()}")
+    load_E = counts_DE.sum(axis=0)
+    quota_E = np.zeros(E, dtype=np.int64)
+    np.add.at(quota_E, p.replica_expert_R, quota)
+    if not np.array_equal(quota_E, load_E):
+        e = int(np.flatnonzero(quota_E != load_E)[0])
+        raise PlanError(f"expert {e}: replica quotas sum to {quota_E[e]} but it has {load_E[e]} tokens")
+
+    pos = np.flatnonzero(quota > 0)
+    n_pos_E = np.bincount(p.replica_expert_R[pos], minlength=E)
+    # experts served by exactly one replica: every source sends its whole count there
+    single_rep = pos[n_pos_E[p.replica_expert_R[pos]] == 1]
+    rep_of_E = np.full(E, -1, dtype=np.int64)
+    rep_of_E[p.replica_expert_R[single_rep]] = single_rep
+    cols = p.replica_expert_R[single_rep]
+    sub = counts_DE[:, cols]
+    d1, j1 = np.nonzero(sub)
+    parts = [(d1, single_rep[j1], sub[d1, j1])]
+
+    multi = np.flatnonzero(n_pos_E >= 2)
+    if multi.size:
+        G = p.ranks_per_node
+        n_nodes = D // G
+        K = multi.size
+        # supply stream ordered by (expert, source rank); demand by (expert, replica rank)
+        a = np.ascontiguousarray(counts_DE[:, multi].T).ravel()
+        a_src = np.tile(np.arange(D, dtype=np.int64), K)
+        a_grp = np.repeat(np.arange(K, dtype=np.int64), D) * n_nodes + a_src // G
+        dem = pos[n_pos_E[p.replica_expert_R[pos]] >= 2]
+        b = quota[dem]
+        k_of_E = np.full(E, -1, dtype=np.int64)
+        k_of_E[multi] = np.arange(K)
+        b_grp = k_of_E[p.replica_expert_R[dem]] * n_nodes + p.replica_rank_R[dem] // G
+        cap = np.minimum(np.bincount(a_grp, weights=a, minlength=K * n_nodes),
+                         np.bincount(b_grp, weights=b, minlength=K * n_nodes)).astype(np.int64)
+        a_loc, b_loc = _local_part(a, a_grp, cap), _local_part(b, b_grp, cap)
+        for sa, sb in ((a_loc, b_loc), (a - a_loc, b - b_loc)):
+            i, j, amt = nw_corner(sa, sb)
+            parts.append((a_src[i], dem[j], amt))
+    src, rep, tok = (np.concatenate(x) for x in zip(*parts))
+    return src, rep, tok
+
+
+def to_csr(num_ranks: int, num_replicas: int, src_M, rep_M, tok_M):
+    """Canonical CSR of (source, replica, tokens) triples: sorted by (source, replica), duplicates
+    summed, zeros dropped. Returns (indptr int64 [D+1], rep int64 [M], tok int64 [M])."""
+    keep = tok_M > 0
+    key = src_M[keep] * num_replicas + rep_M[keep]
+    tok = tok_M[keep]
+    order = np.argsort(key, kind="stable")
+    key, tok = key[order], tok[order]
+    if key.size:
+        start = np.flatnonzero(np.r_[True, key[1:] != key[:-1]])
+        tok = np.add.reduceat(tok, start)
+        key = key[start]
+    ptr = np.zeros(num_ranks + 1, dtype=np.int64)
+    np.cumsum(np.bincount(key // num_replicas, minlength=num_ranks), out=ptr[1:])
+    out = (ptr, key % num_replicas, tok)
+    for a in out:
+        a.flags.writeable = False
+    return out

@@ -1,0 +1,119 @@
+"""Rail-optimized cluster topology: nodes of G GPUs, N NICs per node, NIC i of every node on rail i.
+
+GPU g of a node attaches to NIC/rail `g * N // G` (G must be a multiple of N; a DGX has G = N = 8).
+Bandwidths are per direction, in Gb/s for both NICs and NVLink so they compare directly
+(NVLink of an H100: 450 GB/s per direction = 3600 Gb/s). `latency_us` is the fixed cost of one
+message on one hop. `gpu_tflops` (dense bf16 throughput) is used by the iteration-time simulator.
+
+Presets ship as package data (presets/topology/*.yaml, configs/topology in the repository); `load_topology` takes a preset name or a YAML path.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from . import presets
+from .policy import ConfigError, from_mapping
+
+PRESET_DIR = presets.TOPOLOGY_DIR
+
+
+@dataclass(frozen=True)
+class Topology:
+    name: str = "custom"
+    gpus_per_node: int = 8
+    rails_per_node: int = 8
+    nic_gbps: float = 400.0
+    nvlink_gbps: float = 3600.0
+    latency_us: float = 2.0
+    gpu_tflops: float = 989.0
+    nodes: int = 0  # 0: not fixed here; set by the world size or --nodes (`with_nodes`)
+    description: str = ""
+
+    def __post_init__(self):
+        for key in ("gpus_per_node", "rails_per_node"):
+            v = getattr(self, key)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ConfigError(f"{key}: expected a positive integer, got {v!r}")
+        if isinstance(self.nodes, bool) or not isinstance(self.nodes, int) or self.nodes < 0:
+            raise ConfigError(f"nodes: expected a non-negative integer (0 = set by the world size), got {self.nodes!r}")
+        if self.gpus_per_node % self.rails_per_node:
+            raise ConfigError(f"rails_per_node: {self.rails_per_node} does not divide gpus_per_node "
+                              f"{self.gpus_per_node} (every rail must serve the same number of GPUs)")
+        for key in ("nic_gbps", "nvlink_gbps", "gpu_tflops"):
+            v = getattr(self, key)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+                raise ConfigError(f"{key}: expected a positive number, got {v!r}")
+        if isinstance(self.latency_us, bool) or not isinstance(self.latency_us, (int, float)) or self.latency_us < 0:
+            raise ConfigError(f"latency_us: expected a non-negative number, got {self.latency_us!r}")
+
+    # -- shape -----------------------------------------------------------------------------------
+    @property
+    def gpus_per_rail(self) -> int:
+        return self.gpus_per_node // self.rails_per_node
+
+    @property
+    def world_size(self) -> int:
+        if not self.nodes:
+            raise ConfigError(f"topology {self.name!r}: the number of nodes is not set")
+        return self.nodes * self.gpus_per_node
+
+    def with_nodes(self, nodes: int) -> "Topology":
+        return dataclasses.replace(self, nodes=int(nodes))
+
+    def for_world(self, world_size: int) -> "Topology":
+        """This topology sized for `world_size` ranks; a clear error if it cannot hold them."""
+        G = self.gpus_per_node
+        if world_size % G:
+            raise ConfigError(f"topology {self.name!r}: world size {world_size} is not a multiple of "
+                              f"gpus_per_node {G}")
+        if self.nodes and self.nodes * G != world_size:
+            raise ConfigError(f"topology {self.name!r}: nodes {self.nodes} x gpus_per_node {G} = "
+                              f"{self.nodes * G} ranks, but the world size is {world_size}")
+        return self.with_nodes(world_size // G)
+
+    def node_of(self, rank):
+        return np.asarray(rank) // self.gpus_per_node
+
+    def rail_of(self, rank):
+        """The rail of a global rank (GPU g of a node -> rail g // gpus_per_rail)."""
+        return (np.asarray(rank) % self.gpus_per_node) // self.gpus_per_rail
+
+    def rail_gpu(self, node, rail, like):
+        """The GPU of `node` on `rail` that stands in for local GPU index `like` (same position
+        within its rail), as a global rank: the forwarding / landing GPU of a sprayed chunk."""
+        return (np.asarray(node) * self.gpus_per_node + np.asarray(rail) * self.gpus_per_rail
+                + (np.asarray(like) % self.gpus_per_node) % self.gpus_per_rail)
+
+    # -- loading ---------------------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, data: dict, where: str = "<dict>") -> "Topology":
+        return from_mapping(cls, data, where)
+
+
+def presets() -> list[str]:
+    return presets.names(PRESET_DIR)
+
+
+def load_topology(name_or_path) -> Topology:
+    """A preset name (presets/topology/NAME.yaml) or a path to a topology YAML."""
+    import yaml
+
+    if isinstance(name_or_path, Topology):
+        return name_or_path
+    p = Path(name_or_path)
+    if not p.suffix and not p.exists():
+        p = PRESET_DIR / f"{name_or_path}.yaml"
+        if not p.is_file():
+            raise ConfigError(f"unknown topology {name_or_path!r}; presets: {', '.join(presets())} "
+                              f"(or give a path to a YAML file)")
+    if not p.is_file():
+        raise ConfigError(f"{p}: topology file not found")
+    data = yaml.safe_load(p.read_text()) or {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{p}: expected a mapping of keys to values at the top level")
+    data.setdefault("name", p.stem)
+    return Topology.from_dict(data, str(p))

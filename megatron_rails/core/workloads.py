@@ -1,0 +1,455 @@
+"""Routing workloads: token-count matrices counts_DE, synthetic (uniform, zipf, drift, bursty, one) or recorded.
+
+Shape legend (suffixes on array names): D source ranks, E experts, K top-k choices per token, N tokens in
+one sampling chunk, M tokens being redrawn, J choices made so far, Q truncation points, S steps, L layers.
+
+counts_DE[d, e] (int64) is how many of rank d's T tokens picked expert e, top-k already expanded: every
+token picks K distinct experts, so a row sums to T*K and no entry exceeds T.
+
+Sampling model: a skew gives routing weights p_E for one (step, layer), shared by all ranks (rows differ
+through their own tokens' draws). Every token picks K experts by sequential sampling without replacement
+from p_E (Plackett-Luce, what the Gumbel-top-k trick samples): first choice ~ p_E, each later one ~ p_E
+renormalized over the experts it has not picked. The sampler is exact per token (up to float64 rounding of
+the cumulative weights) and vectorized over tokens: experts are relabeled hottest first, each choice is
+drawn from p_E truncated below the token's smallest unpicked label (2^16-slot lookup tables), a repeated
+choice is redrawn by rejection and, for the rare survivors, from the renormalized distribution directly.
+Random streams are seeded by (seed, step, layer, sha256 of the canonical skew), never the salted hash().
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+from dataclasses import dataclass
+from functools import cached_property, lru_cache
+from pathlib import Path
+
+import numpy as np
+
+from .plan import PlanError, check_counts
+
+SKEW_FORMS = "uniform | zipf:S | drift:S[:P] | bursty:S[:F[:R]] | one | file:PATH"
+MAX_S = 10.0                        # zipf exponent cap; steeper tails vanish below float64 resolution
+DRIFT_PERIOD = 100                  # default P
+BURST_FRAC, BURST_RATE = 0.5, 0.25  # default F, R
+MIN_WEIGHT = 1e-12                  # the K-th largest routing weight must reach this (relative to the sum)
+_SLOTS = 1 << 16                    # lookup-table slots (16 random bits per draw)
+_MARK = 0xFFFF                      # table entry for a slot that straddles experts
+_CHUNK_TOKENS = 1 << 16             # tokens sampled together: big enough to amortize numpy calls, cache-sized
+_REJECT_ROUNDS = 4                  # rejection rounds for a repeated choice before the renormalized draw
+_TAG_PERM, _TAG_SAMPLE, _TAG_BURST = 0x5045524D, 0x53414D50, 0x42555253
+
+
+class WorkloadError(ValueError):
+    """A workload spec, skew text or counts file is invalid."""
+
+
+@dataclass(frozen=True)
+class Skew:
+    """Parsed skew: kind (uniform, zipf, drift, bursty, one, file), zipf exponent s, drift period (steps),
+    burst frac (F) and rate (R), counts file path. str() gives the canonical text."""
+
+    kind: str
+    s: float = 0.0
+    period: int = 0
+    frac: float = 0.0
+    rate: float = 0.0
+    path: str = ""
+
+    def __str__(self) -> str:
+        return {"zipf": f"zipf:{self.s!r}", "drift": f"drift:{self.s!r}:{self.period}",
+                "bursty": f"bursty:{self.s!r}:{self.frac!r}:{self.rate!r}",
+                "file": f"file:{self.path}"}.get(self.kind, self.kind)
+
+
+def parse_skew(text: str) -> Skew:
+    """Parse a skew text; WorkloadError (a ValueError) names the text and lists the accepted forms.
+
+    uniform          every expert equally likely.
+    zipf:S           the r-th hottest expert has weight ~ (r+1)^-S, 0 < S <= 10; which expert is r-th is a
+                     random permutation drawn from (seed, layer).
+    drift:S[:P]      zipf:S whose ranking rotates along that permutation by E/P experts a step, back to the
+                     start after P steps (default 100).
+    bursty:S[:F[:R]] zipf:S background (S = 0: uniform); a (step, layer) is a burst with probability R
+                     (default 0.25): one random expert is then each token's first choice with probability F
+                     (default 0.5).
+    one              every token's first choice is one expert (random per layer); its other K-1 choices are
+                     uniform over the remaining experts.
+    file:PATH        replay a counts file (see load_counts and counts).
+    """
+    if not isinstance(text, str):
+        raise WorkloadError(f"skew must be a string, got {text!r}; accepted forms: {SKEW_FORMS}")
+
+    def bad(why: str) -> WorkloadError:
+        return WorkloadError(f"bad skew {text!r}: {why}; accepted forms: {SKEW_FORMS}")
+
+    def num(x: str, name: str, lo: float, hi: float, lo_open: bool = True) -> float:
+        try:
+            v = float(x)
+        except ValueError:
+            raise bad(f"{name} must be a number, got {x!r}") from None
+        if not (math.isfinite(v) and (v > lo if lo_open else v >= lo) and v <= hi):
+            raise bad(f"{name} must be in {'(' if lo_open else '['}{lo:g}, {hi:g}], got {x!r}")
+        return v
+
+    kind, _, rest = text.strip().partition(":")
+    kind, args = kind.lower(), (rest.split(":") if rest else [])
+    if kind == "file" and rest:
+        return Skew("file", path=rest)
+    if kind in ("uniform", "one") and not args:
+        return Skew(kind)
+    nmax = {"zipf": 1, "drift": 2, "bursty": 3}.get(kind, 0)
+    if not 1 <= len(args) <= nmax:
+        raise bad("file needs a path" if kind == "file" else f"{kind} takes no parameters"
+                  if kind in ("uniform", "one") else f"unknown kind {kind!r}" if not nmax
+                  else f"{kind} takes {1 if nmax == 1 else f'1 to {nmax}'} parameter(s), got {len(args)}")
+    s = num(args[0], "S", 0.0, MAX_S, lo_open=kind != "bursty")
+    if kind == "zipf":
+        return Skew("zipf", s=s)
+    if kind == "drift":
+        if len(args) > 1 and (not args[1].strip().isdigit() or int(args[1]) < 1):
+            raise bad(f"P must be a positive integer number of steps, got {args[1]!r}")
+        return Skew("drift", s=s, period=int(args[1]) if len(args) > 1 else DRIFT_PERIOD)
+    frac = num(args[1], "F", 0.0, 1.0) if len(args) > 1 else BURST_FRAC
+    rate = num(args[2], "R", 0.0, 1.0) if len(args) > 2 else BURST_RATE
+    return Skew("bursty", s=s, frac=frac, rate=rate)
+
+
+def _int(name: str, value, lo: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < lo:
+        raise WorkloadError(f"{name} must be an integer >= {lo}, got {value!r}")
+    return int(value)
+
+
+@dataclass(frozen=True)
+class WorkloadSpec:
+    """One MoE routing workload: each of num_ranks ranks routes tokens_per_rank tokens to topk distinct of
+    num_experts experts, in each of num_layers layers. skew is kept in canonical form (str(parse_skew))."""
+
+    num_ranks: int
+    num_experts: int
+    topk: int
+    tokens_per_rank: int
+    skew: str = "uniform"
+    seed: int = 0
+    num_layers: int = 1
+
+    def __post_init__(self):
+        for name, lo in (("num_ranks", 1), ("num_experts", 1), ("topk", 1), ("tokens_per_rank", 0),
+                         ("seed", 0), ("num_layers", 1)):
+            object.__setattr__(self, name, _int(name, getattr(self, name), lo))
+        if self.topk > self.num_experts:
+            raise WorkloadError(f"topk={self.topk} exceeds num_experts={self.num_experts}: "
+                                "a token picks topk distinct experts")
+        if self.num_experts >= _MARK:
+            raise WorkloadError(f"num_experts={self.num_experts} must be below {_MARK}")
+        object.__setattr__(self, "skew", str(parse_skew(self.skew)))
+
+    @cached_property
+    def parsed_skew(self) -> Skew:
+        return parse_skew(self.skew)
+
+    @property
+    def routed_per_rank(self) -> int:
+        """Row sum of every synthetic counts_DE: tokens_per_rank * topk."""
+        return self.tokens_per_rank * self.topk
+
+
+def mixtral_like(num_ranks: int, tokens_per_rank: int = 4096, skew: str = "uniform", *,
+                 seed: int = 0, num_layers: int = 1) -> WorkloadSpec:
+    """Mixtral 8x7B / 8x22B routing: 8 experts, top-2 (the models have 32 / 56 MoE layers)."""
+    return WorkloadSpec(num_ranks, 8, 2, tokens_per_rank, skew, seed, num_layers)
+
+
+def deepseek_like(num_ranks: int, tokens_per_rank: int = 4096, skew: str = "uniform", *,
+                  seed: int = 0, num_layers: int = 1) -> WorkloadSpec:
+    """DeepSeek-V3 routing: 256 routed experts, top-8 (the model has 58 MoE layers)."""
+    return WorkloadSpec(num_ranks, 256, 8, tokens_per_rank, skew, seed, num_layers)
+
+
+# -- sampling -------------------------------------------------------------------------------------------------
+
+class _Dist:
+    """Draws from weights p_E sorted hottest first, truncated to labels >= q (q < Q).
+
+    Table q splits [cum_start[q], 1) into 2^16 equal slots; a slot inside one expert's interval maps to it,
+    a slot straddling experts (_MARK) is resolved with a second uniform and a binary search.
+    """
+
+    def __init__(self, p_E: np.ndarray, Q: int):
+        cum_end = np.cumsum(p_E / p_E.sum())
+        cum_end[-1] = 1.0
+        self.cum_end_E = cum_end
+        self.p_E = np.diff(cum_end, prepend=0.0)  # the weights exactly as the cumulative sums encode them
+        self.cum_start_E = np.concatenate(([0.0], cum_end[:-1]))
+        self.lo_Q = self.cum_start_E[:Q].copy()
+        self.width_Q = (1.0 - self.lo_Q) / _SLOTS
+        start_QS = self.lo_Q[:, None] + np.arange(_SLOTS) * self.width_Q[:, None]
+        e_QS = np.minimum(np.searchsorted(cum_end, start_QS, side="right"), p_E.size - 1)
+        full = start_QS + self.width_Q[:, None] <= cum_end[e_QS]
+        self.table_QS = np.where(full, e_QS, _MARK).astype(np.uint16).reshape(-1)
+
+    def search(self, u_M: np.ndarray) -> np.ndarray:
+        """Expert whose [cum_start, cum_end) holds u_M; side="right" never returns a zero-width expert."""
+        return np.searchsorted(self.cum_end_E, np.minimum(u_M, np.nextafter(1.0, 0.0)), side="right")
+
+    def draw(self, rng: np.random.Generator, m: int, q_M: np.ndarray | None = None) -> np.ndarray:
+        """uint16 [m]: one draw per entry from p_E truncated to labels >= q_M[i] (all labels if None)."""
+        r16 = rng.bit_generator.random_raw(-(-m // 4)).view(np.uint16)[:m]
+        e = np.take(self.table_QS, r16 if q_M is None else (q_M.astype(np.intp) << 16) | r16)
+        split = np.flatnonzero(e == _MARK)
+        if split.size:
+            q = 0 if q_M is None else q_M[split]
+            e[split] = self.search(self.lo_Q[q] + (r16[split] + rng.random(split.size)) * self.width_Q[q])
+        return e
+
+    def draw_excluding(self, rng: np.random.Generator, excl_JM: np.ndarray) -> np.ndarray:
+        """uint16 [M]: one draw per column from p_E renormalized over labels not in excl_JM[:, m] (distinct)."""
+        out = np.empty(excl_JM.shape[1], dtype=np.uint16)
+        todo = np.arange(excl_JM.shape[1])
+        ex_JM = np.sort(excl_JM, axis=0).astype(np.intp)
+        for _ in range(64):  # float rounding at an interval edge may land on an excluded expert: redraw those
+            pex_JM, sex_JM = self.p_E[ex_JM], self.cum_start_E[ex_JM]
+            u = rng.random(todo.size) * (1.0 - pex_JM.sum(axis=0))
+            for i in range(ex_JM.shape[0]):  # map the shortened line back, skipping excluded intervals in order
+                u += pex_JM[i] * (u >= sex_JM[i])
+            e = self.search(u)
+            clash = (ex_JM == e).any(axis=0)
+            out[todo[~clash]] = e[~clash]
+            todo, ex_JM = todo[clash], ex_JM[:, clash]
+            if not todo.size:
+                return out
+        raise WorkloadError("could not draw distinct experts: routing weights too concentrated for float64")
+
+
+@lru_cache(maxsize=16)
+def _dist_cached(p_bytes: bytes, Q: int) -> _Dist:
+    return _Dist(np.frombuffer(p_bytes, dtype=np.float64), Q)
+
+
+def _clash(new_M: np.ndarray, prev_JM: np.ndarray) -> np.ndarray:
+    """bool [M]: new_M[m] equals one of prev_JM[:, m]."""
+    hit = new_M == prev_JM[0]
+    for i in range(1, prev_JM.shape[0]):
+        hit |= new_M == prev_JM[i]
+    return hit
+
+
+def sample_topk_counts(rng: np.random.Generator, p_E, topk: int, num_ranks: int, tokens_per_rank: int,
+                       hot: int = -1, hot_frac: float = 0.0) -> np.ndarray:
+    """counts_DE (int64 [D, E]) of D ranks whose T tokens each pick `topk` distinct experts (Plackett-Luce).
+
+    p_E: float [E] non-negative routing weights (normalized here), shared by all ranks.
+    hot, hot_frac: if hot >= 0, a token's first choice is forced to expert `hot` with probability hot_frac
+    (Binomial(T, hot_frac) tokens per rank); all other choices follow p_E as described above.
+    """
+    p = np.asarray(p_E, dtype=np.float64)
+    if p.ndim != 1 or not p.size or not np.all(np.isfinite(p)) or p.min() < 0 or p.sum() <= 0:
+        raise WorkloadError(f"p_E must be 1-D, finite, non-negative with a positive sum, got {p!r}")
+    E, K, D, T = p.size, int(topk), int(num_ranks), int(tokens_per_rank)
+    if E >= _MARK or not 1 <= K <= E or hot >= E or not 0 <= hot_frac <= 1:
+        raise WorkloadError(f"need 1 <= topk <= num_experts < {_MARK}, hot < num_experts, 0 <= hot_frac <= 1; "
+                            f"got topk={K}, num_experts={E}, hot={hot}, hot_frac={hot_frac}")
+    order_E = np.argsort(-p, kind="stable")  # label i is the i-th hottest expert
+    p_sorted = p[order_E] / p.sum()
+    if p_sorted[K - 1] < MIN_WEIGHT:
+        raise WorkloadError(f"the {K}-th largest routing weight {p_sorted[K - 1]:.3g} is below {MIN_WEIGHT:g}: "
+                            f"too concentrated to pick topk={K} distinct experts (lower the skew)")
+    dist = _dist_cached(p_sorted.tobytes(), K)  # sorted weights are the same for every layer and step
+    forced_D = np.zeros(D, dtype=np.int64)
+    if hot >= 0 and hot_frac > 0:
+        hot = int(np.flatnonzero(order_E == hot)[0])
+        forced_D = np.full(D, T, dtype=np.int64) if hot_frac >= 1 else rng.binomial(T, hot_frac, size=D)
+    out_DE = np.zeros((D, E), dtype=np.int64)
+    Dc = max(1, _CHUNK_TOKENS // max(T, 1))
+    base_N = np.repeat(np.arange(Dc, dtype=np.intp) * E, T)
+    pos_N = np.tile(np.arange(T, dtype=np.int64), Dc)  # token index within its rank
+    for d0 in range(0, D if T else 0, Dc):
+        dc = min(Dc, D - d0)
+        n = dc * T
+        picks_KN = np.empty((K, n), dtype=np.uint16)
+        picks_KN[0] = dist.draw(rng, n)
+        if forced_D[d0:d0 + dc].any():  # tokens are exchangeable: force the first ones of each rank
+            picks_KN[0, pos_N[:n] < np.repeat(forced_D[d0:d0 + dc], T)] = hot
+        q_N = (picks_KN[0] == 0).astype(np.uint16)  # a lower bound on the smallest label not picked yet
+        for j in range(1, K):
+            # labels below q are all picked, so drawing from p_E truncated there is exact and skips most
+            # repeats of a skewed head; the remaining repeats are redrawn by rejection
+            col = picks_KN[j]
+            col[:] = dist.draw(rng, n, q_N if q_N.any() else None)
+            idx = np.flatnonzero(_clash(col, picks_KN[:j]))
+            prev_JM = picks_KN[:j, idx]
+            for _ in range(_REJECT_ROUNDS):
+                if not idx.size:
+                    break
+                new = dist.draw(rng, idx.size, q_N[idx])
+                col[idx] = new
+                bad = _clash(new, prev_JM)
+                idx, prev_JM = idx[bad], prev_JM[:, bad]
+            if idx.size:
+                col[idx] = dist.draw_excluding(rng, prev_JM)
+            q_N += _clash(q_N, picks_KN[:j + 1])  # one cheap step towards the true smallest unpicked label
+        keys = (picks_KN + base_N[:n]).reshape(-1)
+        out_DE[d0:d0 + dc, order_E] = np.bincount(keys, minlength=dc * E).reshape(dc, E)
+    return out_DE
+
+
+# -- generators -----------------------------------------------------------------------------------------------
+
+def _skew_key(skew: str) -> int:
+    return int.from_bytes(hashlib.sha256(skew.encode()).digest()[:8], "little")
+
+
+def _zipf_E(s: float, order_E: np.ndarray) -> np.ndarray:
+    """float64 [E]: weight (r+1)^-s on expert order_E[r], normalized."""
+    p = np.empty(order_E.size, dtype=np.float64)
+    p[order_E] = np.arange(1, order_E.size + 1, dtype=np.float64) ** -s
+    return p / p.sum()
+
+
+def _routing(spec: WorkloadSpec, step: int, layer: int):
+    """(p_E float64 [E], hot expert or -1, hot_frac) of a synthetic skew at one step and layer."""
+    sk, E = spec.parsed_skew, spec.num_experts
+    perm_E = np.random.default_rng([spec.seed, layer, _TAG_PERM]).permutation(E)
+    uniform = np.full(E, 1.0 / E)
+    if sk.kind in ("uniform", "one"):
+        return (uniform, -1, 0.0) if sk.kind == "uniform" else (uniform, int(perm_E[0]), 1.0)
+    if sk.kind == "zipf":
+        return _zipf_E(sk.s, perm_E), -1, 0.0
+    if sk.kind == "drift":
+        return _zipf_E(sk.s, np.roll(perm_E, -((step % sk.period) * E // sk.period))), -1, 0.0
+    p = _zipf_E(sk.s, perm_E) if sk.s > 0 else uniform
+    brng = np.random.default_rng([spec.seed, step, layer, _skew_key(spec.skew), _TAG_BURST])
+    if brng.random() < sk.rate:
+        return p, int(brng.integers(E)), sk.frac
+    return p, -1, 0.0
+
+
+def counts(spec: WorkloadSpec, step: int = 0, layer: int = 0) -> np.ndarray:
+    """counts_DE: int64 [D, E] at one step and layer, a deterministic function of (spec, step, layer).
+
+    Synthetic skews: rows sum to spec.routed_per_rank and entries are <= spec.tokens_per_rank. A file skew
+    replays the file (whose D, E must match the spec): a 2-D file at every step and layer, 3-D [S, D, E]
+    at step % S for every layer, 4-D [S, L, D, E] at step % S and layer (needs L >= spec.num_layers).
+    """
+    step, layer = _int("step", step, 0), _int("layer", layer, 0)
+    if layer >= spec.num_layers:
+        raise WorkloadError(f"layer {layer} out of range for num_layers={spec.num_layers}")
+    if spec.parsed_skew.kind == "file":
+        return _file_counts(spec, step, layer)
+    p_E, hot, frac = _routing(spec, step, layer)
+    rng = np.random.default_rng([spec.seed, step, layer, _skew_key(spec.skew), _TAG_SAMPLE])
+    return sample_topk_counts(rng, p_E, spec.topk, spec.num_ranks, spec.tokens_per_rank, hot, frac)
+
+
+def trace(spec: WorkloadSpec, steps: int) -> np.ndarray:
+    """counts_SLDE: int64 [steps, L, D, E] with counts_SLDE[s, l] == counts(spec, s, l)."""
+    steps = _int("steps", steps, 0)
+    out = np.empty((steps, spec.num_layers, spec.num_ranks, spec.num_experts), dtype=np.int64)
+    for s in range(steps):
+        for l in range(spec.num_layers):
+            out[s, l] = counts(spec, s, l)
+    return out
+
+
+# -- files ----------------------------------------------------------------------------------------------------
+
+def _validate(arr, where: str) -> np.ndarray:
+    """int64 copy of a 2-D [D, E], 3-D [S, D, E] or 4-D [S, L, D, E] count array; errors name `where`."""
+    a = np.asarray(arr)
+    if a.ndim not in (2, 3, 4) or 0 in a.shape:
+        raise WorkloadError(f"{where}: expected a non-empty 2-D [D,E], 3-D [steps,D,E] or 4-D "
+                            f"[steps,layers,D,E] array, got shape {a.shape}")
+    if a.dtype.kind == "f":
+        ok = np.isfinite(a) & (a == np.round(a))
+        if not ok.all():
+            at = tuple(int(i) for i in np.argwhere(~ok)[0])
+            raise WorkloadError(f"{where}: counts{list(at)} = {a[at]!r} is not an integer")
+    elif a.dtype.kind not in "iu":
+        raise WorkloadError(f"{where}: counts must hold integers, got dtype {a.dtype}")
+    if a.dtype.kind in "fu" and a.max() > np.iinfo(np.int64).max:
+        raise WorkloadError(f"{where}: counts exceed int64")
+    out = a.astype(np.int64)
+    for at in np.ndindex(*out.shape[:-2]):
+        try:
+            check_counts(out[at])
+        except PlanError as err:
+            at = "".join(f"{k} {v}, " for k, v in zip(("step", "layer"), at))
+            raise WorkloadError(f"{where}: {at}{err}") from None
+    return out
+
+
+def _suffix(p: Path) -> str:
+    if p.suffix.lower() not in (".npy", ".json"):
+        raise WorkloadError(f"{p}: unsupported extension {p.suffix!r}; use .npy or .json")
+    return p.suffix.lower()
+
+
+def load_counts(path: str | os.PathLike) -> np.ndarray:
+    """int64 counts [D, E], [S, D, E] or [S, L, D, E] from a .npy or .json file.
+
+    JSON holds nested lists or an object {"counts": [...]}. Integral floats are accepted; negative,
+    fractional, non-numeric or ragged data raise WorkloadError naming the file, a missing file
+    FileNotFoundError.
+    """
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"counts file {str(p)!r} does not exist")
+    if _suffix(p) == ".npy":
+        try:
+            data = np.load(p, allow_pickle=False)
+        except (ValueError, OSError) as err:
+            raise WorkloadError(f"{p}: not a readable .npy array ({err})") from None
+    else:
+        try:
+            data = json.loads(p.read_text())
+        except (ValueError, UnicodeDecodeError) as err:
+            raise WorkloadError(f"{p}: invalid JSON ({err})") from None
+        if isinstance(data, dict) and "counts" not in data:
+            raise WorkloadError(f"{p}: JSON object has no 'counts' key (keys: {sorted(data)})")
+        data = data["counts"] if isinstance(data, dict) else data
+        if not isinstance(data, list):
+            raise WorkloadError(f"{p}: expected a JSON list of lists or {{\"counts\": [...]}}")
+        try:
+            data = np.array(data)
+        except (ValueError, OverflowError):  # ragged, or integers beyond int64
+            data = None
+        if data is None or data.dtype in (bool, object):
+            raise WorkloadError(f"{p}: counts must be a rectangular array of integers")
+    return _validate(data, str(p))
+
+
+def save_counts(path: str | os.PathLike, counts_arr) -> Path:
+    """Write int counts (2-D [D, E], 3-D [S, D, E] or 4-D [S, L, D, E]) to .npy or .json {"counts": ...}."""
+    p = Path(path)
+    suffix = _suffix(p)
+    arr = _validate(counts_arr, f"save_counts({str(p)!r})")
+    if suffix == ".npy":
+        with open(p, "wb") as f:  # np.save(str) would append .npy to other names
+            np.save(f, arr, allow_pickle=False)
+    else:
+        p.write_text(json.dumps({"counts": arr.tolist()}))
+    return p
+
+
+@lru_cache(maxsize=8)
+def _load_cached(path: str, mtime_ns: int, size: int) -> np.ndarray:
+    arr = load_counts(path)
+    arr.flags.writeable = False
+    return arr
+
+
+def _file_counts(spec: WorkloadSpec, step: int, layer: int) -> np.ndarray:
+    path = spec.parsed_skew.path
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"counts file {path!r} (skew {spec.skew!r}) does not exist")
+    st = os.stat(path)
+    arr = _load_cached(os.path.abspath(path), st.st_mtime_ns, st.st_size)  # reloads when the file changes
+    if arr.shape[-2:] != (spec.num_ranks, spec.num_experts):
+        raise WorkloadError(f"{path}: counts are [D={arr.shape[-2]}, E={arr.shape[-1]}], the spec wants "
+                            f"D={spec.num_ranks}, E={spec.num_experts}")
+    if arr.ndim == 4 and arr.shape[1] < spec.num_layers:
+        raise WorkloadError(f"{path}: file has {arr.shape[1]} layers, the spec has num_layers={spec.num_layers}")
+    sl = arr if arr.ndim == 2 else arr[step % arr.shape[0]] if arr.ndim == 3 else arr[step % arr.shape[0], layer]
+    return sl.copy()

@@ -1,0 +1,1 @@
+"""The training demo behind `make demo` and routing traces (tools layer)."""

@@ -1,0 +1,246 @@
+"""Routing traces: record the exact all-gathered counts of a real run, replay them in `simulate run`.
+
+Shape legend:  S steps (planner calls per layer)   L MoE layers   D expert-parallel ranks   E experts
+
+    rec = TraceRecorder.attach(model)        # after building the model with megatron_rails installed
+    ... train ...
+    if rank == 0: rec.save("trace.npz")      # counts are all-gathered: identical on every EP rank
+    rec.detach()
+
+The recorder wraps each RailsTokenDispatcher's `planner.plan` (per instance) and keeps a copy of the
+counts_DE it is called with, once per layer and microbatch, in module order. Files:
+  .npz   `counts` int64 [S, L, D, E] and `meta`, a JSON string: format, version, steps, layers, ranks,
+         experts, topk, hidden, tokens_per_rank, policy, source.
+  .npy / .json   the bare 4-D counts, as workloads.save_counts writes them (no metadata).
+`load_trace` reads all three (and 2-D / 3-D counts files, broadcast to [S, L, D, E]).
+
+`megatron-rails trace --out FILE.npz [--steps N] [--policy P] [--ranks R]` records the tiny CPU
+training demo (train_demo's model on R gloo ranks launched by torchrun) and saves its trace.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+
+FORMAT, VERSION = "megatron-rails-trace", 1
+
+
+class TraceError(ValueError):
+    """A trace cannot be recorded, saved or read."""
+
+
+class TraceRecorder:
+    """Records counts_DE per MoE layer and planner call; see the module docstring."""
+
+    def __init__(self):
+        self.layers: list[list[np.ndarray]] = []
+        self.meta: dict = {}
+        self._wrapped: list = []
+
+    @classmethod
+    def attach(cls, model) -> "TraceRecorder":
+        """Hook every RailsTokenDispatcher of `model` (a module or a list of model chunks)."""
+        from ..megatron.dispatcher import RailsTokenDispatcher
+
+        rec = cls()
+        chunks = model if isinstance(model, (list, tuple)) else [model]
+        found, seen = [], set()
+        for chunk in chunks:
+            for mod in chunk.modules():
+                for obj in (mod, getattr(mod, "token_dispatcher", None)):
+                    if isinstance(obj, RailsTokenDispatcher) and id(obj) not in seen:
+                        seen.add(id(obj))
+                        found.append(obj)
+        if not found:
+            raise TraceError("no RailsTokenDispatcher in this model: build it after megatron_rails.install(...)")
+        for i, disp in enumerate(found):
+            rec.layers.append([])
+            rec._wrap(i, disp.planner)
+        d0 = found[0]
+        rec.meta = {"ranks": int(d0.ep_size), "experts": int(d0.num_experts), "policy": d0.pcfg.policy,
+                    "topk": int(d0.config.moe_router_topk), "hidden": int(d0.config.hidden_size)}
+        return rec
+
+    def _wrap(self, layer: int, planner) -> None:
+        if "plan" in vars(planner):
+            raise TraceError(f"layer {layer}: its planner is already wrapped (attach once, or detach first)")
+        orig = planner.plan
+        store = self.layers[layer]
+
+        def plan(counts_DE, state=None):
+            store.append(np.array(counts_DE, dtype=np.int64, copy=True))
+            return orig(counts_DE, state)
+
+        planner.plan = plan  # an instance attribute: shadows the class's method for this planner only
+        self._wrapped.append(planner)
+
+    def detach(self) -> None:
+        for planner in self._wrapped:
+            vars(planner).pop("plan", None)
+        self._wrapped = []
+
+    def counts(self) -> np.ndarray:
+        """int64 [S, L, D, E]; S = the fewest calls any layer saw (a layer's extra calls are dropped)."""
+        if not self.layers or not min(map(len, self.layers)):
+            raise TraceError("nothing recorded yet: run at least one forward pass after attach()")
+        S = min(map(len, self.layers))
+        return np.stack([np.stack(calls[:S]) for calls in self.layers], axis=1)
+
+    def save(self, path, source: str = "") -> Path:
+        c = self.counts()
+        meta = self.meta | {"source": source}
+        return save_trace(path, c, meta)
+
+
+def save_trace(path, counts_SLDE, meta: dict | None = None) -> Path:
+    """Write a trace: .npz (counts + meta) or .npy/.json (workloads.save_counts, counts only)."""
+    p = Path(path)
+    c = np.asarray(counts_SLDE)
+    if c.ndim != 4 or c.dtype.kind not in "iu" or (c.size and c.min() < 0):
+        raise TraceError(f"{p}: a trace is non-negative integer counts [steps, layers, ranks, experts], "
+                         f"got shape {c.shape} dtype {c.dtype}")
+    c = c.astype(np.int64)
+    if p.suffix.lower() in (".npy", ".json"):
+        from ..core.workloads import save_counts
+
+        return save_counts(p, c)
+    if p.suffix.lower() != ".npz":
+        raise TraceError(f"{p}: unsupported extension {p.suffix!r}; use .npz (with metadata), .npy or .json")
+    S, L, D, E = c.shape
+    row = c[0, 0].sum(axis=1)
+    meta = {"format": FORMAT, "version": VERSION, "steps": S, "layers": L, "ranks": D, "experts": E} | dict(meta or {})
+    if meta.get("topk"):
+        meta.setdefault("tokens_per_rank", int(row.max()) // int(meta["topk"]))
+    with open(p, "wb") as f:  # np.savez(str) would append .npz to other names
+        np.savez(f, counts=c, meta=np.array(json.dumps(meta)))
+    return p
+
+
+def load_trace(path) -> tuple[np.ndarray, dict]:
+    """(int64 counts [S, L, D, E], metadata dict) from .npz, or .npy/.json counts (2-D, 3-D or 4-D)."""
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"trace file {str(p)!r} does not exist")
+    if p.suffix.lower() != ".npz":
+        from ..core.workloads import load_counts
+
+        c = load_counts(p)
+        while c.ndim < 4:  # [D, E] -> one step; [S, D, E] -> every layer alike (as workloads replays it)
+            c = c[None] if c.ndim == 2 else c[:, None]
+        return c, {"source": str(p)}
+    try:
+        with np.load(p, allow_pickle=False) as z:
+            if "counts" not in z.files:
+                raise TraceError(f"{p}: no 'counts' array in the .npz (arrays: {', '.join(z.files)})")
+            c = z["counts"]
+            meta = json.loads(str(z["meta"])) if "meta" in z.files else {}
+    except (ValueError, OSError) as err:
+        if isinstance(err, TraceError):
+            raise
+        raise TraceError(f"{p}: not a readable trace .npz ({err})") from None
+    if c.ndim != 4 or c.dtype.kind not in "iu" or 0 in c.shape or c.min() < 0:
+        raise TraceError(f"{p}: counts must be non-negative integers [steps, layers, ranks, experts], "
+                         f"got shape {c.shape} dtype {c.dtype}")
+    return c.astype(np.int64), meta
+
+
+# -- recording the CPU demo -----------------------------------------------------------------------------------
+
+def _worker(argv=None) -> int:
+    """One torchrun rank: train_demo's tiny model with the recorder attached."""
+    import argparse
+
+    import torch
+    import torch.distributed as dist
+
+    from ..megatron.install import install, uninstall
+    from . import train as td
+
+    ap = argparse.ArgumentParser(prog="python -m megatron_rails.demo.trace")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--policy", default="none")
+    ap.add_argument("--slots", type=int, default=2)
+    args = ap.parse_args(argv)
+    rank, world = td.init_distributed()
+    torch.set_num_threads(1)
+    shape = td.DemoShape()
+    install({"policy": args.policy, "slots": args.slots, "ranks_per_node": min(2, world)})
+    try:
+        model = td.build_model(shape, world, "alltoall")
+    finally:
+        uninstall()
+    rec = TraceRecorder.attach(model)
+
+    def progress(step, loss, step_s):
+        if rank == 0:
+            print(f"[trace] step {step + 1}/{args.steps} loss {loss:.5f} ({step_s * 1e3:.0f} ms)", flush=True)
+
+    td.train_steps(model, shape, args.steps, rank, world, on_step=progress)
+    rec.detach()
+    if rank == 0:
+        rec.save(args.out, source=f"train_demo, {world} gloo ranks, policy {args.policy}, {args.steps} steps")
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+def record_demo(out: str, steps: int = 10, policy: str = "none", ranks: int = 4, slots: int = 2,
+                quiet: bool = False) -> Path:
+    """Launch the CPU demo on `ranks` gloo ranks with recording on; returns the trace path."""
+    import subprocess
+
+    from ..core.planners import POLICIES
+
+    if policy not in POLICIES:
+        raise TraceError(f"unknown policy {policy!r}; choose from {', '.join(POLICIES)}")
+    if Path(out).suffix.lower() not in (".npz", ".npy", ".json"):
+        raise TraceError(f"{out}: unsupported extension; use .npz (with metadata), .npy or .json")
+    if ranks < 1 or 8 % ranks:
+        raise TraceError(f"--ranks must divide the demo's 8 experts, got {ranks}")
+    if steps < 1:
+        raise TraceError(f"--steps must be >= 1, got {steps}")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
+           "--standalone", "-m", "megatron_rails.demo.trace", "--out", str(out),
+           "--steps", str(steps), "--policy", policy, "--slots", str(slots)]
+    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    tail = []
+    for line in proc.stdout:
+        tail = (tail + [line])[-40:]
+        if line.startswith("[trace] ") and not quiet:
+            print(f"  {line.rstrip()}", file=sys.stderr, flush=True)
+    if proc.wait() != 0:
+        raise RuntimeError(f"trace run failed (exit {proc.returncode}):\n{''.join(tail)}")
+    return Path(out)
+
+
+def register(subparsers) -> None:
+    from ..core.planners import POLICIES
+
+    p = subparsers.add_parser("trace", help="record per-layer routing counts of the CPU demo for simulate run --trace",
+                              description="Train the tiny CPU demo model on gloo ranks with a TraceRecorder on and "
+                                          "save counts [steps, layers, ranks, experts] (docs/simulator.md).")
+    p.add_argument("--out", required=True, help="trace file: .npz (counts + metadata), .npy or .json")
+    p.add_argument("--steps", type=int, default=10, help="training steps to record (default 10)")
+    p.add_argument("--policy", default="none", choices=POLICIES, help="policy the demo trains with (default none)")
+    p.add_argument("--ranks", type=int, default=4, help="gloo ranks = expert-parallel size (divides 8; default 4)")
+    p.add_argument("--slots", type=int, default=2, help="R for the policy (default 2)")
+    p.add_argument("--quiet", action="store_true")
+    p.set_defaults(func=cmd_trace)
+
+
+def cmd_trace(args) -> int:
+    path = record_demo(args.out, args.steps, args.policy, args.ranks, args.slots, args.quiet)
+    S, L, D, E = load_trace(path)[0].shape
+    print(f"trace: {path}: {S} steps x {L} layers, {D} ranks x {E} experts "
+          f"(policy {args.policy}; replay: megatron-rails simulate run CONFIG --trace {path})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(_worker())

@@ -1,0 +1,106 @@
+"""RailsTokenDispatcher: Megatron-Core's token dispatcher contract over the framework-free runtime.
+
+A thin shim: each of `MoETokenDispatcher`'s six steps calls one step of `runtime.layer.LayerRuntime`
+(which plans, orders, exchanges and computes the borrowed slots); what is Megatron's lives here: the
+process groups and config it is built with, the experts module it takes over (through the adapters
+of expert_kinds.py), DDP's pending parameter all-gathers, and the metric tracker.
+
+Each dispatcher holds its own policy, fixed when it is built: the `policy` argument, else the one
+`megatron_rails.install()` set (`installed_policy()`), else the product default `PolicyConfig()`.
+
+Shape letters (docs/architecture.md): T local tokens (S x B), E experts, P pairs sent, Q pairs
+received, H hidden size.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+import torch
+from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
+
+from ..core.policy import PolicyConfig
+from ..runtime.layer import LayerRuntime, PlanMismatchError  # noqa: F401  (PlanMismatchError: part of the API)
+from . import metrics as rails_metrics
+from .compat import wait_param_gather
+from .expert_kinds import expert_kind
+
+_installed: Optional[PolicyConfig] = None  # set by megatron_rails.install(), for dispatchers built meanwhile
+
+
+def set_installed_policy(policy: Optional[PolicyConfig]) -> None:
+    global _installed
+    _installed = policy
+
+
+def installed_policy() -> PolicyConfig:
+    """The policy a RailsTokenDispatcher built now without one takes."""
+    return _installed if _installed is not None else PolicyConfig()
+
+
+class RailsTokenDispatcher(MoETokenDispatcher):
+    def __init__(self, num_local_experts: int, local_expert_indices, config, pg_collection=None,
+                 policy: Optional[PolicyConfig] = None):
+        super().__init__(config=config, pg_collection=pg_collection)
+        if self.tp_size > 1:
+            raise NotImplementedError("megatron-rails supports expert tensor parallel size 1")
+        self.num_local_experts = num_local_experts
+        self.local_expert_indices = list(local_expert_indices)
+        self.num_experts = config.num_moe_experts
+        self.pcfg = policy if policy is not None else installed_policy()
+        self.runtime = LayerRuntime(self.pcfg, self.ep_group, self.num_experts)
+        self.ep_rank = self.runtime.rank
+        self._layer = None  # weak reference to the MoELayer (attach_experts), for Megatron's metric tracker
+
+    @property
+    def metrics(self):
+        """The latest layer steps' metric records (a deque of dicts; see LayerRuntime._record)."""
+        return self.runtime.metrics
+
+    @property
+    def store(self):
+        return self.runtime.store
+
+    @property
+    def plan(self):
+        return self.runtime.plan
+
+    @property
+    def planner(self):
+        return self.runtime.planner
+
+    def attach_experts(self, experts: torch.nn.Module, layer: torch.nn.Module | None = None) -> None:
+        """Take over the layer's experts (any kind expert_kinds.py supports); `layer`, the MoELayer,
+        gives the layer number for Megatron's metric tracker (held by weak reference)."""
+        self._layer = rails_metrics.layer_ref(layer)
+        # DDP's lazy parameter all-gathers finish before the stores read expert weights
+        self.runtime.attach(expert_kind(experts), before_read=wait_param_gather)
+
+    def dispatch_preprocess(self, hidden_states: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor):
+        """hidden_states [S, B, H]; routing_map bool [T, E]; probs float [T, E] -> pairs in send order."""
+        self.hidden_shape = hidden_states.shape
+        x_TH = hidden_states.reshape(-1, self.hidden_shape[-1])
+        x_PH, probs_P, record = self.runtime.dispatch(x_TH, routing_map, probs)
+        if record is not None:
+            rails_metrics.record_step(self._layer() if self._layer else None, record, x_TH.device)
+        return x_PH, probs_P
+
+    def token_dispatch(self, hidden_states: torch.Tensor, probs: torch.Tensor):
+        return self.runtime.exchange_tokens(hidden_states, probs)
+
+    def dispatch_postprocess(self, hidden_states: torch.Tensor, probs: torch.Tensor):
+        x_owner, per_owner_slot, probs_owner = self.runtime.split_received(hidden_states, probs)
+        # the stock experts compute the owner slots (none under the sharded layout)
+        tokens_per_expert = torch.zeros(self.num_local_experts, dtype=torch.int64)
+        tokens_per_expert[:per_owner_slot.size] = torch.from_numpy(np.ascontiguousarray(per_owner_slot))
+        return x_owner, tokens_per_expert, probs_owner
+
+    def combine_preprocess(self, hidden_states: torch.Tensor):
+        return self.runtime.merge(hidden_states)
+
+    def token_combine(self, hidden_states: torch.Tensor):
+        return self.runtime.return_tokens(hidden_states)
+
+    def combine_postprocess(self, hidden_states: torch.Tensor):
+        T = int(np.prod(self.hidden_shape[:-1]))
+        return self.runtime.combine(hidden_states, T).view(self.hidden_shape)

@@ -1,0 +1,60 @@
+"""The direct exchange (`comm: direct`): one autograd-aware uneven `all_to_all_single`."""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from .base import CommError, _short
+
+
+def _a2a(x: torch.Tensor, send_D: Sequence[int], recv_D: Sequence[int], group) -> torch.Tensor:
+    out = x.new_empty((int(sum(recv_D)),) + tuple(x.shape[1:]))
+    try:
+        dist.all_to_all_single(out, x.contiguous(), list(map(int, recv_D)), list(map(int, send_D)), group=group)
+    except RuntimeError as err:  # DistBackendError / gloo socket errors / timeouts
+        ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+        raise CommError(f"rank {dist.get_rank()}: all-to-all over ranks {_short(ranks)} failed: a peer rank "
+                        f"probably died or timed out ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})"
+                        ) from err
+    return out
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, send_D, recv_D, group):
+        ctx.splits, ctx.group = (send_D, recv_D), group
+        return _a2a(x, send_D, recv_D, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        send_D, recv_D = ctx.splits
+        # the reverse exchange: what we received from rank j goes back to rank j
+        return _a2a(grad, recv_D, send_D, ctx.group), None, None, None
+
+
+def all_to_all(x: torch.Tensor, send_D: Sequence[int], recv_D: Sequence[int], group) -> torch.Tensor:
+    """Uneven all-to-all along dim 0: x [sum(send_D), ...], rows send_D[j] go to rank j ->
+    [sum(recv_D), ...], recv_D[j] rows from rank j, in rank order. Differentiable: the backward is
+    the reverse exchange."""
+    if dist.get_world_size(group) == 1:
+        return x
+    return _AllToAll.apply(x, list(send_D), list(recv_D), group)
+
+
+class DirectAllToAll:
+    """The plain all-to-all (`comm: direct`)."""
+
+    name = "direct"
+
+    def __init__(self, group):
+        self.group = group
+
+    def exchange(self, x: torch.Tensor, send_D: Sequence[int], recv_D: Sequence[int], traffic_DD=None) -> torch.Tensor:
+        """x: send_D[j] rows for rank j, in rank order -> recv_D[j] rows from rank j, in rank order.
+        traffic_DD (the full [D, D] send matrix) is accepted for a uniform interface and unused."""
+        return all_to_all(x, send_D, recv_D, self.group)
+
+    def sprays(self, traffic_DD) -> bool:
+        return False

@@ -1,0 +1,248 @@
+"""LayerRuntime: one MoE layer on one EP rank, every microbatch, framework-free.
+
+The steps, in the order a token dispatcher calls them:
+
+    dispatch(x_TH, routing_map_TE, probs_TE)  all-gather exact counts -> plan (the same on every rank)
+                                              -> this rank's pairs in send order
+    exchange_tokens(x_P, probs_P)             the all-to-all of tokens and probs (direct or RailS)
+    split_received(x_Q, probs_Q)              group received rows by slot; replica / FSEP slots are
+                                              computed here with weights from the expert store; owner
+                                              rows go back to the caller for the stock experts
+    merge(y_owner)                            owner outputs + slot outputs, back to the received order
+    return_tokens(y_Q)                        the reverse all-to-all
+    combine(y_P, T)                           every token's expert outputs summed
+
+Activation recompute runs a layer's forward again during backward, maybe after other microbatches'
+forwards. Such a replay (`is_replay`: inside an autograd backward pass, or inside `replaying()`)
+reuses the plan made for the same counts, does not advance a history-based planner and adds no
+metric record. Only replays are detected this way: two different microbatches with equal counts
+are two steps.
+
+Shape letters (docs/architecture.md): T local tokens, E experts, D EP ranks, L owner slots, S slots
+per rank, P pairs this rank sends, Q pairs it receives, H hidden size.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import hashlib
+import threading
+import time
+import warnings
+from collections import OrderedDict, deque
+from typing import Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ..core.plan import SHARDED, Plan, PlanError, imbalance, stock_load_D
+from ..core.planners import make_planner
+from ..core.policy import PolicyConfig
+from .comm import all_gather_counts, collective_device, make_comm
+from .expert_kind import ExpertKind
+from .experts import ExpertStore, ShardedExpertStore
+from .faults import maybe_fault
+from .local import SendOrder, order_pairs, receive_order, rows, sum_pairs
+
+METRICS_KEPT = 10_000  # per-layer metric records kept (one per microbatch step)
+RECENT_PLANS = 16  # plans kept for replays (activation recompute of in-flight microbatches)
+BALANCE_WARN = 0.05  # a balancing policy above 1 + this max/mean tokens per rank is reported
+
+_replay = threading.local()
+
+
+@contextlib.contextmanager
+def replaying():
+    """Mark the forwards inside as replays of earlier ones (a framework that recomputes activations
+    outside autograd's backward pass says so with this; inside a backward pass it is detected)."""
+    depth = getattr(_replay, "depth", 0)
+    _replay.depth = depth + 1
+    try:
+        yield
+    finally:
+        _replay.depth = depth
+
+
+def is_replay() -> bool:
+    """Whether the forward running now recomputes an earlier one: inside `replaying()`, or inside an
+    autograd backward pass (Megatron's and torch's activation checkpointing both recompute there;
+    a fresh microbatch's forward never runs there). Every EP rank recomputes at the same point, so
+    all decide alike."""
+    if getattr(_replay, "depth", 0):
+        return True
+    return torch._C._current_graph_task_id() != -1
+
+
+class PlanMismatchError(RuntimeError):
+    """Ranks computed different plans for the same layer (debug check)."""
+
+
+class LayerRuntime:
+    """One MoE layer's planner, expert store, exchanges and metrics on one rank of `group` (the EP
+    process group). `attach(kind)` hands it the layer's experts before the first step."""
+
+    def __init__(self, policy: PolicyConfig, group, num_experts: int):
+        self.policy, self.group, self.num_experts = policy, group, num_experts
+        self.rank, self.num_ranks = dist.get_rank(group), dist.get_world_size(group)
+        self.planner = make_planner(policy.policy, policy.planner_config(self.num_ranks, num_experts))
+        self.state = self.planner.initial_state()
+        self.comm = make_comm(policy, group)
+        self.store: Optional[ExpertStore] = None
+        # the latest layer steps only: a run of weeks must not grow this without bound
+        self.metrics: deque[dict] = deque(maxlen=METRICS_KEPT)
+        self.unbalanced_steps = 0  # steps whose plan stayed above 1 + BALANCE_WARN max/mean
+        self._recent: OrderedDict = OrderedDict()  # counts digest -> plan, the latest RECENT_PLANS
+        self.plan: Optional[Plan] = None
+        self.sent: Optional[SendOrder] = None
+
+    def attach(self, kind: ExpertKind, before_read=None) -> None:
+        """Take over the experts `kind` describes (the adapter of runtime/expert_kind.py);
+        before_read(module) runs before every read of their weights (see ExpertStore)."""
+        if self.policy.sharded:
+            self.store = ShardedExpertStore(kind, self.num_experts, self.rank, self.num_ranks, self.comm.exchange,
+                                            before_read)
+        else:
+            self.store = ExpertStore(kind, self.num_experts, self.rank, self.num_ranks, before_read)
+
+    # -- 1. plan and order ------------------------------------------------------------------------
+    def dispatch(self, x_TH: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor):
+        """x_TH [T, H]; routing_map bool [T, E]; probs float [T, E] -> (x_P [P, H], probs_P [P], the
+        step's metric record or None for a replay)."""
+        t0 = time.perf_counter()
+        counts_DE = all_gather_counts(routing_map.sum(dim=0), self.group)
+        t1 = time.perf_counter()
+        replay = is_replay()
+        plan = self._plan(counts_DE, replay)
+        t2 = time.perf_counter()
+        self.plan = plan
+        self.sent = order_pairs(plan, self.rank, routing_map, probs)
+        record = None if replay else self._record(plan, counts_DE, (t1 - t0) * 1e6, (t2 - t1) * 1e6, x_TH)
+        return x_TH[self.sent.token_P], self.sent.probs_P, record
+
+    def _plan(self, counts_DE: np.ndarray, replay: bool) -> Plan:
+        key = hashlib.blake2b(counts_DE.tobytes(), digest_size=16).digest()
+        if replay:
+            plan = self._recent.get(key)
+            if plan is not None:
+                return plan
+            # evicted (more microbatches in flight than kept): plan again without touching the state
+            plan, _ = self.planner.plan(counts_DE, copy.deepcopy(self.state))
+        else:
+            plan, self.state = self.planner.plan(counts_DE, self.state)
+        if self.policy.check_plan:
+            self._check_plan(plan)
+        self._recent[key] = plan  # only plans that passed the check are replayed
+        self._recent.move_to_end(key)
+        if len(self._recent) > RECENT_PLANS:
+            self._recent.popitem(last=False)
+        return plan
+
+    # -- 2. exchange ------------------------------------------------------------------------------
+    def exchange_tokens(self, x_P: torch.Tensor, probs_P: torch.Tensor):
+        """The token all-to-all: (x_Q [Q, H], probs_Q [Q]) in source-rank order."""
+        maybe_fault("token_dispatch", self.rank)
+        T, so = self.plan.send_DD, self.sent
+        x_Q = self.comm.exchange(x_P, so.send_D, so.recv_D, T)
+        probs_Q = self.comm.exchange(probs_P.unsqueeze(-1), so.send_D, so.recv_D, T).squeeze(-1)
+        return x_Q, probs_Q
+
+    # -- 3. group by slot, compute the borrowed slots ---------------------------------------------
+    def split_received(self, x_Q: torch.Tensor, probs_Q: torch.Tensor):
+        """Received rows grouped by slot. Returns (x_owner [Q_own, H], tokens per owner slot (int64
+        numpy [L]), probs_owner [Q_own]) for the stock experts; replica / FSEP slots are computed
+        here (their outputs wait for `merge`)."""
+        plan = self.plan
+        L, S = plan.placement.owner_slots, plan.placement.slots_per_rank
+        self.recv_order, self.recv_inverse, per_slot = receive_order(plan, self.rank, x_Q.device)
+        x_Q, probs_Q = rows(x_Q, self.recv_order, self.recv_inverse), rows(probs_Q, self.recv_order, self.recv_inverse)
+        n_owner = int(per_slot[:L].sum())
+        weights, anchor = self.store.fetch(plan, self.comm.exchange)
+        self.slot_outs = []
+        start = n_owner
+        for s in range(L, S):
+            n = int(per_slot[s])
+            if n:
+                self.slot_outs.append(self.store.compute(weights[s], x_Q[start:start + n], probs_Q[start:start + n]))
+            start += n
+        if anchor is not None:  # keep the weight exchange in the graph on every rank (see ExpertStore.fetch):
+            # zero rows, concatenated with the outputs in merge
+            self.slot_outs.append(anchor.view(0, x_Q.shape[-1]))
+        return x_Q[:n_owner], per_slot[:L], probs_Q[:n_owner]
+
+    # -- 4-6. back ---------------------------------------------------------------------------------
+    def merge(self, y_owner: torch.Tensor) -> torch.Tensor:
+        """Owner outputs, then the slots' (and the weight exchange's anchor), back to the received
+        (source-major) order: y_Q [Q, H]."""
+        y_Q = y_owner
+        if self.slot_outs:
+            y_Q = torch.cat([y_owner] + [y.to(y_owner.dtype) for y in self.slot_outs])
+        self.slot_outs = []
+        return rows(y_Q, self.recv_inverse, self.recv_order)
+
+    def return_tokens(self, y_Q: torch.Tensor) -> torch.Tensor:
+        """The reverse all-to-all: y_P [P, H] in this rank's send order."""
+        maybe_fault("token_combine", self.rank)
+        so = self.sent
+        return self.comm.exchange(y_Q, so.recv_D, so.send_D, self.plan.send_DD.T)
+
+    def combine(self, y_P: torch.Tensor, T: int) -> torch.Tensor:
+        """[T, H]: every token's expert outputs summed."""
+        return sum_pairs(y_P, self.sent, T)
+
+    # -- checks and metrics -----------------------------------------------------------------------
+    def _check_plan(self, plan: Plan) -> None:
+        """Debug mode: every rank validates its plan and all-reduces its digest, so a plan that is
+        invalid or differs on any rank raises on every rank (never a hang or a silent mismatch)."""
+        try:
+            plan.validate()
+            invalid = ""
+        except PlanError as err:
+            invalid = str(err)
+        digest = int(plan.digest()[:15], 16)
+        dev = collective_device(self.group)
+        lo = torch.tensor([digest, -int(bool(invalid))], dtype=torch.int64, device=dev)  # min of -flag = -max flag
+        hi = torch.tensor([digest], dtype=torch.int64, device=dev)
+        dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=self.group)
+        dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=self.group)
+        if lo[1].item() < 0:
+            raise PlanMismatchError(f"EP rank {self.rank}: the plan failed validation on some rank"
+                                    + (f" (here: {invalid})" if invalid else " (valid here)"))
+        if lo[0].item() != hi[0].item():
+            raise PlanMismatchError(f"EP rank {self.rank}: plan digests differ across ranks "
+                                    f"(this rank {digest:x}, min {lo[0].item():x}, max {hi[0].item():x}); "
+                                    f"token counts or planner state diverged")
+
+    def _record(self, plan: Plan, counts_DE: np.ndarray, gather_us: float, plan_us: float, x_TH) -> dict:
+        token_bytes = x_TH.element_size() * x_TH.shape[-1]
+        send = plan.send_DD
+        off_diag = int(send.sum() - np.trace(send))
+        expert_bytes = self.store.param_bytes if self.store else 0  # weights move in their own dtype
+        before_D, after_D = stock_load_D(counts_DE, self.num_ranks), plan.load_D
+        after = imbalance(after_D)
+        # the slot budget could not balance this step: say so once per layer, count it in the metric
+        limited = plan.policy != "none" and after > 1 + BALANCE_WARN
+        if limited:
+            self.unbalanced_steps += 1
+            if self.unbalanced_steps == 1 and self.rank == 0:
+                warnings.warn(f"megatron-rails: {plan.policy} left max/mean tokens per rank at {after:.3f} "
+                              f"(> {1 + BALANCE_WARN}); the slot budget (slots: {self.policy.slots}) cannot absorb "
+                              f"this skew. Counted in the metric 'unbalanced_steps'; raise slots to fix.",
+                              RuntimeWarning, stacklevel=3)
+        self.metrics.append({
+            "policy": plan.policy,
+            "max_over_mean_before": imbalance(before_D),
+            "max_over_mean_after": after,
+            "unbalanced": limited,
+            "unbalanced_steps": self.unbalanced_steps,
+            "tokens_per_rank_before": before_D.tolist(),
+            "tokens_per_rank_after": after_D.tolist(),
+            "replicas_used": int(plan.weight_moves),
+            "token_bytes_sent": off_diag * token_bytes,
+            "weight_bytes_sent": plan.weight_bytes(expert_bytes),
+            "plan_us": plan_us,
+            "count_gather_us": gather_us,
+            "layout": "sharded" if plan.placement.layout == SHARDED else "owner",
+            "rails_sprayed": self.comm.sprays(send),  # the token exchange goes over RailS's three phases
+        })
+        return self.metrics[-1]
