@@ -8,7 +8,7 @@ import pytest
 
 from megatron_rails.core.plan import imbalance
 
-CLI = [sys.executable, "-m", "megatron_rails.cli.main"]
+CLI = [sys.executable, "-m", "megatron_rails.cli"]
 KEYS = {"policy", "ranks", "experts", "max_over_mean_before", "max_over_mean_after", "lower_bound_max_over_mean",
         "cross_node_tokens", "weight_moves", "plan_us_p50", "plan_us_p99"}
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from megatron_rails.cli.main import main as cli
+from megatron_rails import cli
 from megatron_rails.core.planners import PlannerError
 from megatron_rails.core.rails_schedule import rails_schedule
 from megatron_rails.sim.rails import (SCHEMES, direct_schedule, ecmp_rail, ecmp_schedule, lower_bound_us, resource_loads, simulate)
@@ -318,7 +318,7 @@ KEYS = {"scheme", "completion_us", "lower_bound_us", "busbw_gbps", "busbw_GBps",
 
 
 def test_simulate_a2a_json_entry_point():
-    p = subprocess.run([sys.executable, "-m", "megatron_rails.cli.main", "simulate", "a2a", "--topology", "dgx-h100",
+    p = subprocess.run([sys.executable, "-m", "megatron_rails.cli", "simulate", "a2a", "--topology", "dgx-h100",
                         "--nodes", "2", "--traffic", "zipf:1.2", "--tokens-per-rank", "512", "--json"],
                        capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr

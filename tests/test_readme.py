@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_rails.cli.main import build_parser
+from megatron_rails.cli import build_parser
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN_HERE = ("plan", "simulate a2a", "simulate run", "config validate", "config show")
@@ -52,6 +52,6 @@ def test_readme_command(argv):
     build_parser().parse_args(argv)  # SystemExit (a test failure) on any unknown flag or value
     if any(" ".join(argv).startswith(p) for p in RUN_HERE):
         args = [a for a in argv if a != "--json"]
-        proc = subprocess.run([sys.executable, "-m", "megatron_rails.cli.main", *args], cwd=ROOT, capture_output=True,
+        proc = subprocess.run([sys.executable, "-m", "megatron_rails.cli", *args], cwd=ROOT, capture_output=True,
                               text=True, timeout=600)
         assert proc.returncode == 0, f"{' '.join(argv)}:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}"

@@ -18,7 +18,7 @@ MINI = ROOT / "configs" / "mini" / "mini-mixtral.yaml"
 M8x7 = ROOT / "configs" / "mixtral" / "mixtral-8x7b.yaml"
 M8x22 = ROOT / "configs" / "mixtral" / "mixtral-8x22b.yaml"
 ALL = sorted((ROOT / "configs").glob("**/*.yaml"))
-CLI = [sys.executable, "-m", "megatron_rails.cli.main"]
+CLI = [sys.executable, "-m", "megatron_rails.cli"]
 
 
 @pytest.mark.parametrize("path", ALL, ids=lambda p: str(p.relative_to(ROOT / "configs")))
@@ -186,8 +186,8 @@ def test_train_demo_accepts_mini_and_explains_the_rest():
         assert from_run_config(str(ROOT / "configs/mini" / f))[1] == DemoShape()  # the demo's own shape
     with pytest.raises(ConfigError) as err:
         from_run_config(str(M8x7))
-    assert "mixtral-8x7b.yaml: parallelism.backend: train_demo runs on CPU: gloo" in str(err.value)
-    with pytest.raises(ConfigError, match="model.swiglu: train_demo's model has True"):
+    assert "mixtral-8x7b.yaml: parallelism.backend: the demo trainer runs on CPU: gloo" in str(err.value)
+    with pytest.raises(ConfigError, match="model.swiglu: the demo trainer's model has True"):
         from_run_config(str(MINI), ["model.swiglu=false"])
 
 

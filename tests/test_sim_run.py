@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from megatron_rails.cli.main import main as cli
+from megatron_rails import cli
 from megatron_rails.core.planners import PlannerConfig, make_planner
 from megatron_rails.config.run import load_run_config
 from megatron_rails.sim.model import CommModel, Setup, SimOptions, layer_cost

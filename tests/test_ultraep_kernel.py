@@ -28,7 +28,7 @@ pytestmark = [
 
 def test_kernel_is_built_where_a_compiler_exists():
     # setup.py builds it optionally; a silent build failure would only show as slow planning
-    assert _compiled() is not None, "megatron_rails/planners/_ultraep_c.c was not built: reinstall (pip install -e .)"
+    assert _compiled() is not None, "megatron_rails/core/planners/_ultraep_c.c was not built: reinstall (pip install -e .)"
 
 
 def both(cfg, counts):

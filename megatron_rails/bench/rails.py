@@ -1,6 +1,6 @@
 """`megatron-rails bench rails`: direct (PXN) vs ecmp vs RailS all-to-all in the flow-level model.
 
-Grid: topologies x nodes x traffic families (rails/traffic.py). Per case: every scheme's completion
+Grid: topologies x nodes x traffic families (sim/traffic.py). Per case: every scheme's completion
 (fluid and phased), the lower bound, bus bandwidth, RailS / lower bound, RailS's busbw gain over
 direct and ecmp, and whether the target holds (RailS completion <= 1.03 x lower bound on every skewed
 case, i.e. every family but uniform). JSON is rewritten after every case; a PNG goes next to it.
@@ -108,7 +108,7 @@ def bench_rails(out: str, quick: bool = False, plot: str | None = None) -> dict:
     meta = {"command": "megatron-rails bench rails" + (" --quick" if quick else ""),
             "python": sys.version.split()[0], "machine": platform.machine(), "tokens_per_rank": TOKENS_PER_RANK,
             "model": "fluid pipelined (completion_us) and three-phase store-and-forward (phased_us); "
-                     "see megatron_rails/rails/sim.py", "grid": grid, "started": time.strftime("%Y-%m-%dT%H:%M:%S")}
+                     "see megatron_rails/sim/rails.py", "grid": grid, "started": time.strftime("%Y-%m-%dT%H:%M:%S")}
     result = {"meta": meta, "rows": rows}
 
     def save():

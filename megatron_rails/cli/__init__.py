@@ -1,4 +1,4 @@
 """The `megatron-rails` command line (tools layer, the top)."""
-from .main import main
+from .main import build_parser, main
 
-__all__ = ["main"]
+__all__ = ["build_parser", "main"]

@@ -15,7 +15,3 @@ def int_at_least(name: str, lo: int):
             raise argparse.ArgumentTypeError(f"{name} must be >= {lo}, got {v}")
         return v
     return conv
-
-
-def _positive(name: str):
-    return int_at_least(name, 1)

@@ -1,12 +1,18 @@
 """`megatron-rails simulate a2a`: all-to-all completion of direct, ecmp and RailS on a rail topology.
 
-`register(subparsers)` adds the `a2a` command (and `run`, the iteration-time simulator of sim/cli.py)
+`register(subparsers)` adds the `a2a` command (and `run`, the iteration-time simulator of cli/sim_run.py)
 to the `simulate` group's sub-parsers (cli.py); `register_trace` adds the top-level `trace` command.
 """
 from __future__ import annotations
 
 import argparse
 import json
+
+from .args import int_at_least
+
+
+def _positive(name: str):
+    return int_at_least(name, 1)
 
 
 def register(subparsers) -> None:
@@ -34,7 +40,7 @@ def register(subparsers) -> None:
 
 
 def register_trace(subparsers) -> None:
-    """The top-level `megatron-rails trace` command (megatron_rails/trace.py)."""
+    """The top-level `megatron-rails trace` command (megatron_rails/demo/trace.py)."""
     from ..demo.trace import register
 
     register(subparsers)

@@ -9,7 +9,7 @@ directory or its keys. Overrides are `key.sub=value` with a YAML-parsed value (`
 `balancer.policy=ultraep`, `topology=dgx-a100`), the same on the command line and here.
 
 Float keys also accept strings such as `3e-4`: YAML 1.1 (PyYAML) reads an exponent without a dot as text.
-The reference of every key is docs/configuration.md, generated from these dataclasses (config_docs.py).
+The reference of every key is docs/configuration.md, generated from these dataclasses (config/docs.py).
 """
 from __future__ import annotations
 
@@ -66,7 +66,7 @@ class ModelConfig:
     attention_dropout: float = _f(0.0, minimum=0)
     transformer_impl: str = _f("transformer_engine", "layer implementation; local needs no Transformer Engine",
                                choices=("transformer_engine", "local"))
-    router_skew: float = _f(0.0, "train_demo only (not a Megatron argument): logit bias of the hottest "
+    router_skew: float = _f(0.0, "demo trainer only (not a Megatron argument): logit bias of the hottest "
                             "expert, bias_e = skew / rank_e^1.2, to make routing skewed on purpose",
                             megatron=False, minimum=0)
 

@@ -38,7 +38,8 @@ def from_mapping(cls, data: dict, where: str = "<dict>"):
 @dataclass(frozen=True)
 class PolicyConfig:
     """policy: none | eplb | fsep | ultraep | lp.  slots: R (see PlannerConfig).  ranks_per_node: G
-    (0 = all EP ranks on one node; also the node size of RailS's node and rail groups).  comm: direct |
+    (also the node size of RailS's node and rail groups; 0 = the launcher's ranks per node, see
+    `node_size`).  comm: direct |
     rails.  tolerance: owner-layout policies move no weights while the stock max/mean tokens per
     rank is within 1 + tolerance (PlannerConfig).  rails_tolerance: comm rails sprays an exchange
     over all rails only when the rail-matched direct all-to-all would load its busiest rail more
@@ -47,7 +48,7 @@ class PolicyConfig:
 
     policy: str = "fsep"
     slots: int = 1
-    ranks_per_node: int = 8
+    ranks_per_node: int = 0
     window: int = 10
     interval: int = 10
     placement: str = "ultraep"
@@ -109,11 +110,17 @@ class PolicyConfig:
         """Whether the experts live as FSEP shards (fsep, or lp scheduling on an fsep placement)."""
         return self.policy == "fsep" or (self.policy == "lp" and self.placement == "fsep")
 
-    def planner_config(self, num_ranks: int, num_experts: int):
+    def node_size(self, num_ranks: int, local_world_size: int = 0) -> int:
+        """G for an EP group of `num_ranks`: ranks_per_node, else (0) the launcher's ranks per node
+        `local_world_size` (torchrun's LOCAL_WORLD_SIZE; the runtime passes it), else all ranks on
+        one node; at most num_ranks."""
+        return min(self.ranks_per_node or local_world_size or num_ranks, num_ranks)
+
+    def planner_config(self, num_ranks: int, num_experts: int, local_world_size: int = 0):
         from .planners import PlannerConfig
 
-        G = self.ranks_per_node or num_ranks
-        return PlannerConfig(num_ranks, num_experts, min(G, num_ranks), self.slots, window=self.window,
+        G = self.node_size(num_ranks, local_world_size)
+        return PlannerConfig(num_ranks, num_experts, G, self.slots, window=self.window,
                              interval=self.interval, placement=self.placement, tolerance=float(self.tolerance))
 
 

@@ -9,11 +9,12 @@ import os
 import subprocess
 import sys
 import tempfile
-from pathlib import Path
 
 import numpy as np
 
-DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "policies" / "default.yaml"
+from ..core.presets import POLICY_DIR
+
+DEFAULT_CONFIG = POLICY_DIR / "default.yaml"  # the shipped preset (package data)
 VIRTUAL_NODE = 2  # ranks per virtual node on CPU, so RailS and same-node routing have nodes to work with
 
 

@@ -15,7 +15,7 @@ counts_DE it is called with, once per layer and microbatch, in module order. Fil
 `load_trace` reads all three (and 2-D / 3-D counts files, broadcast to [S, L, D, E]).
 
 `megatron-rails trace --out FILE.npz [--steps N] [--policy P] [--ranks R]` records the tiny CPU
-training demo (train_demo's model on R gloo ranks launched by torchrun) and saves its trace.
+training demo (the demo trainer's model on R gloo ranks launched by torchrun) and saves its trace.
 """
 from __future__ import annotations
 
@@ -151,7 +151,7 @@ def load_trace(path) -> tuple[np.ndarray, dict]:
 # -- recording the CPU demo -----------------------------------------------------------------------------------
 
 def _worker(argv=None) -> int:
-    """One torchrun rank: train_demo's tiny model with the recorder attached."""
+    """One torchrun rank: the demo trainer's tiny model with the recorder attached."""
     import argparse
 
     import torch
@@ -183,7 +183,7 @@ def _worker(argv=None) -> int:
     td.train_steps(model, shape, args.steps, rank, world, on_step=progress)
     rec.detach()
     if rank == 0:
-        rec.save(args.out, source=f"train_demo, {world} gloo ranks, policy {args.policy}, {args.steps} steps")
+        rec.save(args.out, source=f"demo trainer, {world} gloo ranks, policy {args.policy}, {args.steps} steps")
     dist.barrier()
     dist.destroy_process_group()
     return 0

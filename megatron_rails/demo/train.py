@@ -107,7 +107,7 @@ def make_optimizer(model, kind: str = "adam", lr: float | None = None, betas=(0.
     return torch.optim.Adam(params, lr=3e-3 if lr is None else lr, betas=betas)
 
 
-# what build_model hard-codes; a run config for train_demo must say the same
+# what build_model hard-codes; a run config for the demo trainer must say the same
 DEMO_FIXED = {"normalization": "RMSNorm", "norm_epsilon": 1e-5, "swiglu": True, "disable_bias_linear": True,
               "position_embedding_type": "rope", "rotary_base": 10000, "untie_embeddings_and_output_weights": True,
               "init_method_std": 0.05, "hidden_dropout": 0.0, "attention_dropout": 0.0, "num_query_groups": None,
@@ -123,25 +123,25 @@ def from_run_config(path: str, overrides=()):
     rc = load_run_config(path, overrides)
     m, p, t, d = rc.model, rc.parallelism, rc.training, rc.data
     rules = [  # (key, why, violated)
-        ("parallelism", ("train_demo runs expert parallelism only (tensor, pipeline, context and expert "
+        ("parallelism", ("the demo trainer runs expert parallelism only (tensor, pipeline, context and expert "
                          "tensor parallel sizes 1)"), (p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
                                p.context_parallel_size, p.expert_tensor_parallel_size or 1) != (1, 1, 1, 1)),
         ("parallelism.expert_model_parallel_size", f"must equal the world size {p.world_size}",
          p.expert_model_parallel_size != p.world_size),
-        ("parallelism.backend", "train_demo runs on CPU: gloo", p.backend != "gloo"),
-        ("training", ("train_demo applies no weight decay, clipping, warm-up or schedule: set weight_decay 0, "
+        ("parallelism.backend", "the demo trainer runs on CPU: gloo", p.backend != "gloo"),
+        ("training", ("the demo trainer applies no weight decay, clipping, warm-up or schedule: set weight_decay 0, "
                       "clip_grad 0, lr_warmup_iters 0, lr_decay_style constant"),
          (t.weight_decay, t.clip_grad, t.lr_warmup_iters, t.lr_decay_style) != (0, 0, 0, "constant")),
-        ("training", "train_demo trains in fp32: bf16 and fp16 false", t.bf16 or t.fp16),
+        ("training", "the demo trainer trains in fp32: bf16 and fp16 false", t.bf16 or t.fp16),
         ("data.vocab_size", "required (the synthetic token stream's vocabulary)", not d.vocab_size),
         ("model.moe_token_dispatcher_type", ("without a balancer use allgather (the stock alltoall dispatcher "
                                              "needs CUDA)"),
          rc.balancer is None and m.moe_token_dispatcher_type != "allgather"),
     ]
     bad = [f"{key}: {why}" for key, why, violated in rules if violated]
-    bad += [f"model.{k}: train_demo's model has {v!r}, the config says {getattr(m, k)!r}"
+    bad += [f"model.{k}: the demo trainer's model has {v!r}, the config says {getattr(m, k)!r}"
             for k, v in DEMO_FIXED.items() if getattr(m, k) != v]
-    bad += [f"model.{k}: train_demo needs null or {v}" for k, v in (
+    bad += [f"model.{k}: the demo trainer needs null or {v}" for k, v in (
         ("moe_ffn_hidden_size", m.ffn_hidden_size), ("max_position_embeddings", m.seq_length))
         if getattr(m, k) not in (None, v)]
     if bad:

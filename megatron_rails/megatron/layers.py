@@ -69,7 +69,7 @@ def metrics_summary(model) -> dict:
     """The latest metric record of every RailsTokenDispatcher layer in `model` (a module or a list
     of model chunks), keyed by the layer's number (1-based, as Megatron numbers layers), or by
     "layer{k}" (its position) where Megatron has not numbered it. Layers without a step yet are
-    left out. Each record is the dispatcher's own dict (a copy); see dispatcher.py `_record`."""
+    left out. Each record is the dispatcher's own dict (a copy); see runtime/layer.py `LayerRuntime._record`."""
     out = {}
     for k, layer in enumerate(_rails_layers(model)):
         metrics = layer.token_dispatcher.metrics

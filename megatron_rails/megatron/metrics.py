@@ -1,6 +1,6 @@
 """Dispatcher metrics in Megatron's MoE logging, and a summary for callers without it.
 
-Every layer step the dispatcher keeps a record (dispatcher.py `_record`). In training forward passes
+Every layer step the dispatcher keeps a record (runtime/layer.py `LayerRuntime._record`). In training forward passes
 (module in training mode, autograd on) three of its values also go to Megatron-Core's MoE metric
 tracker under the layer's number, next to the router's load_balancing_loss:
 

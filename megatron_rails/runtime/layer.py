@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import hashlib
+import os
 import threading
 import time
 import warnings
@@ -85,9 +86,13 @@ class LayerRuntime:
     def __init__(self, policy: PolicyConfig, group, num_experts: int):
         self.policy, self.group, self.num_experts = policy, group, num_experts
         self.rank, self.num_ranks = dist.get_rank(group), dist.get_world_size(group)
-        self.planner = make_planner(policy.policy, policy.planner_config(self.num_ranks, num_experts))
+        # G: ranks per node, for same-node preference and RailS's groups (torchrun says how many
+        # ranks it started per node; every node alike, so every rank gets the same G)
+        self.node_size = policy.node_size(self.num_ranks, int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0))
+        self.planner = make_planner(policy.policy, policy.planner_config(self.num_ranks, num_experts,
+                                                                         self.node_size))
         self.state = self.planner.initial_state()
-        self.comm = make_comm(policy, group)
+        self.comm = make_comm(policy, group, self.node_size)
         self.store: Optional[ExpertStore] = None
         # the latest layer steps only: a run of weeks must not grow this without bound
         self.metrics: deque[dict] = deque(maxlen=METRICS_KEPT)

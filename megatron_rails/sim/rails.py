@@ -29,7 +29,7 @@ bytes / T* (T* = the max term) never oversubscribes a resource, and no schedule 
 resource. It is therefore what the routing allows, not what a congestion-controlled network
 delivers: no incast, no head-of-line blocking, no max-min fair sharing, no store-and-forward delay.
 `phased_us` is the store-and-forward alternative matching a three-phase implementation
-(megatron_rails/rails/alltoall.py): phase 1 = intra-node messages and the s -> fwd hops, phase 2 =
+(megatron_rails/runtime/comm/rails.py): phase 1 = intra-node messages and the s -> fwd hops, phase 2 =
 the rails, phase 3 = the land -> d hops, each phase its own bottleneck plus one latency, in sequence.
 
 Lower bound (scheme-independent, same model): max of

@@ -31,7 +31,7 @@ PY=${MEGATRON_RAILS_PYTHON:-}
 if [ -z "$PY" ]; then if [ -x "$REPO/.venv/bin/python" ]; then PY=$REPO/.venv/bin/python; else PY=python3; fi; fi
 
 # validate once, read the four values the launch needs
-INFO=$("$PY" -m megatron_rails.cli.main config show "$CONFIG" "$@" --get parallelism.backend \
+INFO=$("$PY" -m megatron_rails.cli config show "$CONFIG" "$@" --get parallelism.backend \
        --get parallelism.world_size --get parallelism.nodes --get topology.gpus_per_node) \
     || die "invalid run config $CONFIG (see above)"
 read -r BACKEND WORLD NODES GPN <<<"$(echo $INFO)"

@@ -74,7 +74,7 @@ def test_missing_files_are_named(tmp_path):
     for load in (PolicyConfig.from_yaml, load_run_config):
         with pytest.raises(ConfigError, match=re.escape(str(tmp_path / "nope.yaml"))):
             load(tmp_path / "nope.yaml")
-    proc = subprocess.run([sys.executable, "-m", "megatron_rails.cli.main", "config", "validate", str(tmp_path / "nope.yaml")],
+    proc = subprocess.run([sys.executable, "-m", "megatron_rails.cli", "config", "validate", str(tmp_path / "nope.yaml")],
                           capture_output=True, text=True)
     assert proc.returncode != 0 and "nope.yaml" in proc.stdout + proc.stderr
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-TIMEOUT_S = 20  # the run's process-group timeout (train_demo --timeout-s)
+TIMEOUT_S = 20  # the run's process-group timeout (demo.train --timeout-s)
 MONITOR_S = 5  # torchrun's worker-monitor interval
 
 

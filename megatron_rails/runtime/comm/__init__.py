@@ -22,12 +22,13 @@ __all__ = ["CommError", "DirectAllToAll", "RailsAllToAll", "all_gather_counts", 
            "group_timeout", "make_comm"]
 
 
-def make_comm(pcfg, group):
-    """The communication backend a policy config asks for, on the EP process group."""
+def make_comm(pcfg, group, node_size: int | None = None):
+    """The communication backend a policy config asks for, on the EP process group; node_size: G
+    (default: the policy's ranks_per_node, 0 = all ranks of the group on one node)."""
     if pcfg.comm == "direct":
         return DirectAllToAll(group)
     D = dist.get_world_size(group)
-    G = min(pcfg.ranks_per_node or D, D)
+    G = node_size if node_size else pcfg.node_size(D)
     if D % G:
         raise ConfigError(f"comm: rails needs ranks_per_node ({G}) to divide the expert-parallel size ({D})")
     return RailsAllToAll(group, Topology(name="ep-group", gpus_per_node=G, rails_per_node=G),
