@@ -104,11 +104,11 @@ def test_not_given_is_none_and_means_stock():
 
 def test_flags_override_yaml(policy_yaml):
     from_yaml = policy_from_args(parse(["--rails-config", str(policy_yaml)]))
-    assert from_yaml == PolicyConfig(policy="eplb", slots=2, window=5, ranks_per_node=4)
+    assert from_yaml == PolicyConfig(policy="eplb", slots=2, window=5, ranks_per_node=4, comm="direct")
     cfg = policy_from_args(parse(["--rails-config", str(policy_yaml), "--moe-balancer-slots", "3",
                                   "--moe-balancer", "ultraep"]))
     # the flags win; keys without a flag keep the YAML's value, not PolicyConfig's default
-    assert cfg == PolicyConfig(policy="ultraep", slots=3, window=5, ranks_per_node=4)
+    assert cfg == PolicyConfig(policy="ultraep", slots=3, window=5, ranks_per_node=4, comm="direct")
     assert PolicyConfig().window != 5
 
 
@@ -149,19 +149,19 @@ def test_chain_extra_args_keeps_megatrons_provider():
 def test_install_from_args_swaps_the_dispatcher(policy_yaml):
     from megatron.core.transformer.moe import moe_layer
 
+    from megatron_rails.megatron import installed_policy
     from megatron_rails.megatron.dispatcher import RailsTokenDispatcher
 
-    stock, default_policy = moe_layer.MoEAlltoAllTokenDispatcher, RailsTokenDispatcher.policy_config
+    stock = moe_layer.MoEAlltoAllTokenDispatcher
     args = parse(["--rails-config", str(policy_yaml), "--moe-balancer", "ultraep", "--moe-balancer-slots", "1"])
     try:
         cfg = install_from_args(args, quiet=True)
         assert moe_layer.MoEAlltoAllTokenDispatcher is RailsTokenDispatcher
-        assert RailsTokenDispatcher.policy_config == cfg == PolicyConfig(policy="ultraep", slots=1, window=5,
-                                                                         ranks_per_node=4)
+        assert installed_policy() == cfg == PolicyConfig(policy="ultraep", slots=1, window=5, comm="direct",
+                                                         ranks_per_node=4)
         assert megatron_rails.megatron.is_installed()
     finally:
         megatron_rails.uninstall()
-        RailsTokenDispatcher.policy_config = default_policy
     assert moe_layer.MoEAlltoAllTokenDispatcher is stock
 
 
@@ -356,7 +356,8 @@ REPORT = """
     def build_model(args):
         from megatron.core.transformer.moe import moe_layer
         dispatcher = moe_layer.MoEAlltoAllTokenDispatcher
-        policy = getattr(dispatcher, "policy_config", None)
+        from megatron_rails.megatron import installed_policy, is_installed
+        policy = installed_policy() if is_installed() else None
         print("BUILD " + json.dumps({
             "dispatcher": dispatcher.__name__, "policy": policy and policy.__dict__, "validated": args.validated,
             "own_flag": args.own_flag, "moe_balancer": args.moe_balancer, "argv": sys.argv,
@@ -546,9 +547,10 @@ from megatron.training import arguments, initialize, training
 
 def report(*args, **kwargs):
     from megatron.core.transformer.moe import moe_layer
+    from megatron_rails.megatron import installed_policy
     from megatron_rails.megatron.dispatcher import RailsTokenDispatcher
     installed = moe_layer.MoEAlltoAllTokenDispatcher is RailsTokenDispatcher
-    print("DRYRUN", installed, RailsTokenDispatcher.policy_config if installed else None, flush=True)
+    print("DRYRUN", installed, installed_policy() if installed else None, flush=True)
     sys.exit(0)
 
 if hasattr(arguments, "parse_and_validate_args"):        # >= core_v0.18: args are final before pretrain()

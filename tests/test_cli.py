@@ -72,7 +72,8 @@ def test_demo_json(tmp_path):
 
 
 def test_bench_dispatcher_quick(tmp_path):
-    """Structure and the quantities that follow from the shape alone (not timings)."""
+    """Structure, the quantities that follow from the shape alone, and the figures derived from the timings
+    (recomputed here; the timings themselves are not checked)."""
     out = tmp_path / "d.json"
     run("bench", "dispatcher", "--quick", "--out", str(out))
     res = json.loads(out.read_text())
@@ -92,9 +93,25 @@ def test_bench_dispatcher_quick(tmp_path):
             # one slot per expert, each gathering the (D-1)/D of it held elsewhere
             assert r["weight_bytes_per_layer"] == E * expert_bytes * (D - 1) // D
         if policy != "none" and skew != "uniform":
-            assert r["max_over_mean_after"] <= 1.05 and res["targets"]["zipf_max_over_mean_le_1_05"][policy]
+            assert r["max_over_mean_after"] <= 1.05, (policy, skew)
     assert rows[("none", "zipf:1.2")]["max_over_mean_before"] > 1.5  # the skew is real
-    for policy in policies:
-        assert res["targets"]["uniform_overhead_le_5pct"][policy] == (rows[(policy, "uniform")]["overhead_vs_none"] <= 0.05)
+    # overhead_vs_none is the median over rounds of (policy / none in the same round) - 1. --quick times 2
+    # rounds, so the median is the mean of the two ratios, and each row's p50 and min give its two times:
+    # recompute it from those (the round pairing is not recorded: one of the two pairings must match)
+    assert res["meta"]["reps"] == 2
+    overhead = {}
+    for skew in ("uniform", "zipf:1.2"):
+        n_lo = rows[("none", skew)]["ms_min"]
+        n_hi = 2 * rows[("none", skew)]["ms_p50"] - n_lo
+        for policy in policies:
+            r = rows[(policy, skew)]
+            lo, hi = r["ms_min"], 2 * r["ms_p50"] - r["ms_min"]
+            pairings = [(lo / n_lo + hi / n_hi) / 2 - 1, (lo / n_hi + hi / n_lo) / 2 - 1]
+            match = [x for x in pairings if r["overhead_vs_none"] == pytest.approx(x, rel=1e-9, abs=1e-12)]
+            assert match, (policy, skew, r["overhead_vs_none"], pairings)
+            overhead[policy, skew] = match[0]
+    # the targets, from the recomputed overheads; on the skewed step every policy but none balances
+    assert res["targets"]["uniform_overhead_le_5pct"] == {p: overhead[p, "uniform"] <= 0.05 for p in policies}
+    assert res["targets"]["zipf_max_over_mean_le_1_05"] == {p: p != "none" for p in policies}
     floor = res["meta"]["fsep_weight_exchange"]
     assert floor["bytes_per_rank"] == E * -(-3 * H * F // D) * 4 and floor["ms_p50"] > 0

@@ -44,7 +44,6 @@ def _worker(rank, world, policies, routings, seed, comm="direct"):
         rails = build_moe_layer(moe_config(world, "alltoall", experts=E, hidden=H))
         megatron_rails.uninstall()
         assert type(rails.token_dispatcher).__name__ == "RailsTokenDispatcher"
-        rails.token_dispatcher.recent_plans = 0  # one plan and one metric per routing, even if counts repeat
         rails.load_state_dict(stock.state_dict())
         rng = np.random.default_rng(seed + 7919 * rank)
         shared = np.random.default_rng(seed)  # the same routing pattern on every rank

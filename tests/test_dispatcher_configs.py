@@ -52,7 +52,6 @@ def _worker(rank, world, routings):
             megatron_rails.install({"policy": policy, "slots": 2, "ranks_per_node": 2, "check_plan": True})
             rails = build_moe_layer(_config(world, "alltoall", overrides))
             megatron_rails.uninstall()
-            rails.token_dispatcher.recent_plans = 0
             rails.load_state_dict(stock.state_dict())
             rng = np.random.default_rng(5 + rank)
             for it in range(routings):

@@ -1,6 +1,7 @@
 """Every `megatron-rails` command in README.md and docs/*.md parses with the real CLI parser (docs
 cannot drift from the flags); the README's quick ones run here (each doc's own test runs its commands; (the rest run in their own tests: bench planners --quick and demo in test_cli.py, the soak in
 reliability/test_soak.py, make demo / make test in CI)."""
+import argparse
 import re
 import shlex
 import subprocess
@@ -43,8 +44,38 @@ def test_doc_command_parses(doc, argv):
     build_parser().parse_args(argv)
 
 
-def test_readme_lists_commands():
-    assert len(CMDS) >= 6, CMDS
+def parser_commands(parser, prefix=()):
+    """Every command path of the real parser: subcommands (nested) and, below a command, the choices of
+    its first positional (`bench planners`, `bench dispatcher`, ...)."""
+    out = []
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                out.append(prefix + (name,))
+                out += parser_commands(sub, prefix + (name,))
+        elif prefix and not action.option_strings and action.choices:
+            out += [prefix + (str(c),) for c in action.choices]
+            break
+    return out
+
+
+def test_readme_documents_every_command():
+    # the parser's commands against the README's (its command block, and `...` spans in its prose such as
+    # "Also: `bench dispatcher`, ..."): a command added to the CLI must be documented there
+    text = (ROOT / "README.md").read_text()
+    spans = CMDS + [s.split() for s in re.findall(r"`([a-z][^`]*)`", text)]
+    documented = set()
+    for words in spans:
+        lead = []
+        for w in words[:2]:  # the command words: up to two, before the first flag
+            if w.startswith("-"):
+                break
+            lead.append(w)
+        documented |= {tuple(lead[:1]), tuple(lead)}
+    got = parser_commands(build_parser())
+    assert {c[0] for c in got} >= {"plan", "bench", "simulate", "config", "demo"}  # the walk found the tree
+    missing = [" ".join(c) for c in got if c not in documented]
+    assert not missing, f"commands of the CLI that README.md does not document: {missing}"
 
 
 @pytest.mark.parametrize("argv", CMDS, ids=[" ".join(c[:2]) for c in CMDS])

@@ -42,8 +42,19 @@ def test_breakdown_adds_up_and_baseline(skewed):
         assert sum(r["breakdown"].values()) == pytest.approx(r["iteration_ms"], rel=1e-12)
         assert np.mean(r["iteration_ms_steps"]) == pytest.approx(r["iteration_ms"], rel=1e-12)
         assert all(v >= 0 for v in r["breakdown"].values())
+    # 1F1B with m microbatches on P stages: the iteration is (m + P - 1) x the slowest stage's microbatch
+    # time, so the bubble is (P - 1) / m x the rest of the breakdown
+    m, P = skewed["setup"]["microbatches"], skewed["setup"]["pp"]
+    assert P > 1
+    for r in rows + skewed["force_balanced"]:
+        busy = sum(v for k, v in r["breakdown"].items() if k != "pipeline_bubble_ms")
+        assert r["breakdown"]["pipeline_bubble_ms"] == pytest.approx((P - 1) / m * busy, rel=1e-12)
+        assert r["iteration_ms"] == pytest.approx((m + P - 1) / m * busy, rel=1e-12)
     base = next(r for r in rows if (r["policy"], r["comm"]) == ("none", "direct"))
-    assert base["speedup"] == 1.0
+    ideal = {r["comm"]: r["iteration_ms"] for r in skewed["force_balanced"]}
+    for r in rows:  # speedup over stock EP (none, direct) and share of the ideal, from the iteration times
+        assert r["speedup"] == pytest.approx(base["iteration_ms"] / r["iteration_ms"], rel=1e-12)
+        assert r["of_force_balanced"] == pytest.approx(ideal[r["comm"]] / r["iteration_ms"], rel=1e-12)
     assert base["breakdown"]["weights_ms"] == 0.0  # stock EP moves no weights
 
 
@@ -215,7 +226,11 @@ def test_simulator_doc_commands_and_trace_round_trip(capsys, tmp_path):
 
 def test_reproduction_doc_commands(capsys, tmp_path):
     cmds = doc_commands("reproduction.md")
-    assert len(cmds) >= 4 and any("mixtral-8x22b" in c for c in cmds)
+    text = (ROOT / "docs" / "reproduction.md").read_text()
+    assert len(cmds) == int(re.search(r"All (\d+) runs", text).group(1))  # the count its prose quotes
+    # every setup the page describes is run: both shipped Mixtral configs, the 32-A100 and the cross-node layout
+    for words in ("mixtral-8x7b.yaml --skew", "mixtral-8x22b.yaml --skew", "topology=dgx-a100", " ".join(CROSS)):
+        assert any(words in c for c in cmds), words
     for line in cmds:
         run_doc_command(line, tmp_path, capsys)
 

@@ -19,16 +19,20 @@ def owner(E, D):
 
 
 def rank_loads_and_foreign(plan, D, E):
-    """(load per rank, foreign replicas with tokens per rank), from the slot table and quotas."""
+    """(load per rank, foreign replicas with tokens per rank), from the slot table and quotas; also checks
+    that info["exports"] counts the replicas off their experts' owners."""
     p = plan.placement
     se = np.asarray(p.slot_expert_DS)
     load = np.zeros(D, dtype=np.int64)
     foreign = np.zeros(D, dtype=np.int64)
+    off_owner = 0
     own = owner(E, D)
     for r, (e, d, q) in enumerate(zip(p.replica_expert_R.tolist(), p.replica_rank_R.tolist(), plan.quota_R.tolist())):
         assert se[d, p.replica_slot_R[r]] == e
         load[d] += q
         foreign[d] += q > 0 and own[e] != d
+        off_owner += own[e] != d
+    assert plan.info["exports"] == off_owner
     return load, foreign
 
 
@@ -235,5 +239,5 @@ def test_stock_plans_equal_the_validated_stock_plan(D, E, R, tol):
         ref = Plan.from_quotas(Placement.owner_from_pairs(E, D, cfg.ranks_per_node, R, (), ()), counts,
                                counts.sum(axis=0), policy="ultraep")
         assert plan.digest() == ref.digest()
-        assert plan.info["exports"] == 0 and plan.weight_moves == 0
+        assert rank_loads_and_foreign(plan, D, E)[1].sum() == 0 and plan.weight_moves == 0  # checks exports == 0
         plan.validate()

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import numpy as np
 
-from . import presets
+from . import presets as _presets
 from .policy import ConfigError, from_mapping
 
-PRESET_DIR = presets.TOPOLOGY_DIR
+PRESET_DIR = _presets.TOPOLOGY_DIR
 
 
 @dataclass(frozen=True)
@@ -95,7 +95,7 @@ class Topology:
 
 
 def presets() -> list[str]:
-    return presets.names(PRESET_DIR)
+    return _presets.names(PRESET_DIR)
 
 
 def load_topology(name_or_path) -> Topology:

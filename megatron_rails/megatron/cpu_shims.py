@@ -6,7 +6,10 @@ megatron-core 0.16.1 on CPU needs:
   memory buffers and sequence-parallel gathers allocate there): the CPU device;
 * `moe_utils.te_general_gemm`, referenced without Transformer Engine: None (the torch path);
 * the model-parallel RNG tracker's `fork()` (attention enters it even without dropout): a fork of
-  the CPU generator, which leaves the global CPU RNG stream untouched as the CUDA fork would.
+  the CPU generator, which leaves the global CPU RNG stream untouched as the CUDA fork would;
+* activation recompute (`tensor_parallel.checkpoint`) saves and restores the CUDA RNG state: on CPU
+  there is none, so getting it gives an empty tensor and setting it does nothing (the CPU RNG state,
+  which the CPU ops draw from, is still saved and restored).
 """
 from __future__ import annotations
 
@@ -48,6 +51,10 @@ def apply() -> bool:
             yield
 
     _patch(mp_random.CudaRNGStatesTracker, "fork", fork)
+    if hasattr(mp_random, "_get_cuda_rng_state"):
+        _patch(mp_random, "_get_cuda_rng_state", lambda *args, **kwargs: torch.empty(0, dtype=torch.uint8))
+    if hasattr(mp_random, "_set_cuda_rng_state"):
+        _patch(mp_random, "_set_cuda_rng_state", lambda *args, **kwargs: None)
     return True
 
 

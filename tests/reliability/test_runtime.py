@@ -29,7 +29,7 @@ def _layer(world, policy, **extra):
 
 
 def _consistency_worker(rank, world, policy):
-    from megatron_rails.megatron import dispatcher as disp_mod
+    from megatron_rails.runtime import layer as disp_mod
     from megatron_rails.megatron.dispatcher import PlanMismatchError
     from megatron_rails.core.plan import Plan
 
