@@ -60,6 +60,21 @@ def test_bench_planners_quick(tmp_path):
     rows = [r for r in res["rows"] if "error" not in r]
     assert {r["policy"] for r in rows} == {"none", "eplb", "fsep", "ultraep", "lp"}
     assert res["lp_vs_highs"]["gap_count"] == 0
+    # the figures recomputed from the grid's inputs (4096 tokens per rank, stock owner e * D // E)
+    from megatron_rails.bench.planners import TOPK, _counts
+
+    by = {(r["ranks"], r["experts"], r["slots"], r["skew"], r["policy"]): r for r in rows}
+    for (D, E, R, skew, policy), r in by.items():
+        load_E = np.asarray(_counts(D, E, skew)).reshape(D, E).sum(axis=0)
+        total = int(load_E.sum())
+        assert total == r["tokens"] == D * 4096 * TOPK[E]
+        stock = np.bincount(np.arange(E) * D // E, weights=load_E, minlength=D)
+        assert r["max_over_mean_before"] == pytest.approx(stock.max() * D / total, rel=1e-12)
+        assert r["lower_bound_max_over_mean"] <= r["max_over_mean_after"] + 1e-9
+        if policy == "ultraep" and E <= D:  # one expert per rank at most: the cascade reaches ceil(mean)
+            assert r["max_over_mean_after"] == pytest.approx(-(-total // D) * D / total, rel=1e-12), (D, E, skew)
+        if policy == "lp":  # exact min-max on ultraep's placement: never above ultraep's own quotas
+            assert r["max_over_mean_after"] <= by[D, E, R, skew, "ultraep"]["max_over_mean_after"] + 1e-12
     assert (tmp_path / "b.png").stat().st_size > 10_000
 
 

@@ -115,7 +115,7 @@ def test_parity_with_stock_allgather_rails_comm(world):
     spawn(_worker, world, POLICIES, routings, 13 * world, "rails")
 
 def _spec_worker(rank, world):
-    from megatron_rails.megatron.compat import rails_gpt_layer_local_spec
+    from megatron_rails.megatron.layers import rails_gpt_layer_local_spec
     from megatron_rails.demo.train import DemoShape, build_model, train_steps
 
     shape = DemoShape(layers=1)

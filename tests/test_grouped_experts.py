@@ -348,7 +348,7 @@ def _metrics_worker(rank, world):
             dist.all_gather(counts, maps[number][-1].sum(0).to(torch.int64))
             before = torch.stack(counts).sum(0).view(world, E // world).sum(1).double()
             got = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
-            dist.all_gather(got, torch.tensor([sum(disp.recv_D)]))
+            dist.all_gather(got, torch.tensor([sum(disp.runtime.sent.recv_D)]))
             after = torch.cat(got).double()
             recount[number].append((float(before.max() / before.mean()), float(after.max() / after.mean())))
     for name, key in TRACKED.items():

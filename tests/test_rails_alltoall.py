@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from moe_harness import spawn
+from schedule_figures import rail_egress, rail_ingress
 
 
 def _traffic(rng, D, case):
@@ -60,8 +61,8 @@ def _sprays(T, topo, tol) -> bool:
 
     d = direct_schedule(T, topo)
     N = topo.rails_per_node
-    even = max(-(-int(d.rail_egress_PN.sum(axis=1).max()) // N), -(-int(d.rail_ingress_PN.sum(axis=1).max()) // N))
-    busiest = max(int(d.rail_egress_PN.max(initial=0)), int(d.rail_ingress_PN.max(initial=0)))
+    even = max(-(-int(rail_egress(d).sum(axis=1).max()) // N), -(-int(rail_ingress(d).sum(axis=1).max()) // N))
+    busiest = max(int(rail_egress(d).max(initial=0)), int(rail_ingress(d).max(initial=0)))
     return busiest > (1 + tol) * even if busiest else False
 
 
@@ -95,7 +96,7 @@ def _check_topology(rank, world, G, N, cases, tol):
         sent = torch.from_numpy(a2a.rail_bytes_sent - before)
         dist.all_reduce(sent)
         sch = (rails_schedule if sprayed else direct_schedule)(T, topo)
-        expect = sch.rail_egress_PN.sum(axis=0) * H * 8
+        expect = rail_egress(sch).sum(axis=0) * H * 8
         assert np.array_equal(sent.numpy(), expect), f"{where}: rail bytes {sent.tolist()} != {expect.tolist()}"
     if world > G and N > 1:  # both paths taken (one rail per node: spraying never gains, always direct)
         assert a2a.sprayed and a2a.direct, f"{world // G} nodes x {G}, tolerance {tol}: " \
@@ -106,3 +107,23 @@ def _check_topology(rank, world, G, N, cases, tol):
                          ids=["4 ranks: 2x2, 4x1", "8 ranks: 2x4, 4x2, 2x4 with 2 rails"])
 def test_rails_alltoall_matches_direct(world, shapes):
     spawn(_worker, world, shapes, 14, megatron=False)
+
+
+def test_sprayed_indices_follow_the_input_device():
+    """The sprayed exchange's row gathers are built on the host and must be on the exchanged
+    tensor's device for `index_select` (CUDA under NCCL): copied once per device, then cached."""
+    from megatron_rails.core.rails_schedule import rails_schedule
+    from megatron_rails.core.topology import Topology
+    from megatron_rails.runtime.comm.rails import INDEX_KEYS, _indices_on, build_steps
+
+    topo = Topology(name="t", gpus_per_node=2, rails_per_node=2, nodes=2)
+    T = np.array([[0, 1, 5, 0], [2, 0, 0, 7], [1, 3, 0, 2], [6, 0, 1, 0]], dtype=np.int64)
+    steps = build_steps(rails_schedule(T, topo), 0)
+    assert steps["phase2"], "the case must spray across nodes"
+    for device in (torch.device("meta"), torch.device("cpu")):
+        idx = _indices_on(steps, device)
+        assert set(idx) == {k for k in INDEX_KEYS if k in steps}
+        assert all(t.device == device and t.dtype == torch.int64 for t in idx.values())
+        assert _indices_on(steps, device) is idx, "copied once per device"
+        x = torch.empty((int(T[0].sum()), 3), device=device)
+        assert x.index_select(0, idx["idx1"]).device == device

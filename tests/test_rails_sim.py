@@ -16,6 +16,7 @@ from megatron_rails.core.rails_schedule import rails_schedule
 from megatron_rails.sim.rails import (SCHEMES, direct_schedule, ecmp_rail, ecmp_schedule, lower_bound_us, resource_loads, simulate)
 from megatron_rails.core.topology import Topology, load_topology
 from megatron_rails.sim.traffic import TrafficError, make_traffic, parse_traffic
+from schedule_figures import rail_egress, rail_ingress
 
 ROOT = Path(__file__).resolve().parents[1]
 # (nodes, gpus_per_node, rails_per_node): the virtual topologies of the issue, plus two GPUs per rail
@@ -148,8 +149,8 @@ def test_schedule_balances_every_node_egress_and_ingress_per_rail():
             per_rail = pair_PPN.sum(axis=axis)
             assert np.all(per_rail >= lo.sum(axis=axis)[:, None]) and np.all(per_rail <= hi.sum(axis=axis)[:, None])
             assert np.all(per_rail.max(1) - per_rail.min(1) <= (hi - lo).sum(axis=axis))
-        assert np.array_equal(pair_PPN.sum(axis=1), sch.rail_egress_PN)
-        assert np.array_equal(pair_PPN.sum(axis=0), sch.rail_ingress_PN)
+        assert np.array_equal(pair_PPN.sum(axis=1), rail_egress(sch))
+        assert np.array_equal(pair_PPN.sum(axis=0), rail_ingress(sch))
 
 
 def test_schedule_is_deterministic_and_dtype_blind():
@@ -162,8 +163,9 @@ def test_nvlink_figures_skip_self_messages():
     topo = topo_of(2, 2, 2)
     T = np.zeros((4, 4), dtype=np.int64)
     T[0, 0], T[0, 1] = 7, 5
-    sch = rails_schedule(T, topo)
-    assert sch.nvlink_out_D().tolist() == [5, 0, 0, 0] and sch.nvlink_in_D().tolist() == [0, 5, 0, 0]
+    loads = resource_loads(rails_schedule(T, topo))
+    assert loads.nvl_out_D.tolist() == [5, 0, 0, 0] and loads.nvl_in_D.tolist() == [0, 5, 0, 0]
+    assert loads.nic_out_PN.sum() == 0 and loads.nic_in_PN.sum() == 0
 
 
 def test_direct_and_ecmp_schedules_are_valid():
@@ -243,7 +245,7 @@ def test_loads_follow_the_chunks():
     topo = topo_of(3, 8, 4)
     T = random_traffic(np.random.default_rng(5), 24, 3)
     L = resource_loads(rails_schedule(T, topo), bytes_per_unit=3)
-    np.testing.assert_array_equal(L.nic_out_PN, rails_schedule(T, topo).rail_egress_PN * 3)
+    np.testing.assert_array_equal(L.nic_out_PN, rail_egress(rails_schedule(T, topo)) * 3)
     inter_bytes = 3 * sum(int(T[s, d]) for s in range(24) for d in range(24) if s // 8 != d // 8)
     assert L.nic_out_PN.sum() == L.nic_in_PN.sum() == inter_bytes
     assert L.nvl_out_D.sum() == L.nvl_in_D.sum()
@@ -289,7 +291,7 @@ def test_traffic_families():
     assert make_traffic("zipf:1.2", 1024 // 8 * 3, 8, tokens_per_rank=4).experts == 384  # a multiple of D >= 256
     m = make_traffic("mixtral", 16, 8, tokens_per_rank=256)
     assert (m.experts, m.topk, m.hidden, m.policy, m.family) == (8, 2, 4096, "fsep", "mixtral:fsep")
-    assert np.array_equal(m.bytes_DD, m.tokens_DD * 4096 * 2)
+    assert m.bytes_per_token == 4096 * 2
     d = make_traffic("deepseek:ultraep", 16, 8, tokens_per_rank=256)
     assert (d.experts, d.topk, d.hidden, d.policy) == (256, 8, 7168, "ultraep")
     p = make_traffic("plan:lp:zipf:1.5", 16, 8, tokens_per_rank=256)

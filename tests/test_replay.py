@@ -140,3 +140,23 @@ def test_is_replay_outside_and_inside_backward():
     assert not is_replay()
     Probe.apply(torch.ones(2, requires_grad=True)).sum().backward()
     assert seen == [True]
+
+
+def _weight_bytes_worker(rank, world):
+    """weight_bytes_sent counts expert weights in the parameters' dtype, whatever the activations'."""
+    stock, rails = _layers(world, "ultraep")
+    disp = rails.token_dispatcher
+    x = torch.randn(T, 1, H)
+    rails(x)
+    plan = disp.runtime.plan
+    counts_DE = plan.counts_DE
+    experts = list(rails.experts.parameters())
+    expert_bytes = sum(p.numel() * p.element_size() for p in experts) // disp.num_local_experts  # fp32 params
+    for act_dtype in (torch.float32, torch.bfloat16, torch.float64):
+        rec = disp.runtime._record(plan, counts_DE, 0.0, 0.0, x.view(T, H).to(act_dtype))
+        assert rec["weight_bytes_sent"] == plan.weight_moves * expert_bytes, (act_dtype, rec["weight_bytes_sent"])
+        assert rec["token_bytes_sent"] % (H * torch.empty(0, dtype=act_dtype).element_size()) == 0
+
+
+def test_weight_bytes_use_the_parameter_dtype():
+    spawn(_weight_bytes_worker, 2)

@@ -14,7 +14,18 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from megatron_rails.core import workloads as wl
-from megatron_rails.core.workloads import (SKEW_FORMS, Skew, WorkloadError, WorkloadSpec, counts, deepseek_like, load_counts, mixtral_like, parse_skew, sample_topk_counts, save_counts, trace)
+from megatron_rails.core.workloads import (SKEW_FORMS, Skew, WorkloadError, WorkloadSpec, counts, load_counts, parse_skew,
+                                           sample_topk_counts, save_counts, trace)
+
+
+def mixtral_like(num_ranks, tokens_per_rank=4096, skew="uniform", *, seed=0, num_layers=1):
+    """Mixtral 8x7B / 8x22B routing: 8 experts, top-2."""
+    return WorkloadSpec(num_ranks, 8, 2, tokens_per_rank, skew, seed, num_layers)
+
+
+def deepseek_like(num_ranks, tokens_per_rank=4096, skew="uniform", *, seed=0, num_layers=1):
+    """DeepSeek-V3 routing: 256 routed experts, top-8."""
+    return WorkloadSpec(num_ranks, 256, 8, tokens_per_rank, skew, seed, num_layers)
 
 
 def imbalance(counts_DE: np.ndarray) -> float:

@@ -236,14 +236,6 @@ class Placement:
             return np.ones(self.num_replicas, dtype=bool)
         return self.replica_slot_R >= self.owner_slots
 
-    def replica_id(self, rank: int, expert: int) -> int:
-        """Replica id of `expert` on `rank`; PlanError if the rank does not host it."""
-        lo, hi = self.expert_ptr[expert], self.expert_ptr[expert + 1]
-        hit = np.flatnonzero(self.replica_rank_R[lo:hi] == rank)
-        if not hit.size:
-            raise PlanError(f"rank {rank} does not host expert {expert}")
-        return int(lo + hit[0])
-
     def digest(self) -> str:
         h = hashlib.sha256()
         h.update(f"placement|{self.layout}|{self.num_experts}|{self.ranks_per_node}|{self.owner_slots}|".encode())
@@ -434,13 +426,6 @@ class Plan:
         replica ids strictly increasing within a row."""
         src, rep, tok = split_by_quota(self.counts_DE, self.placement, self.quota_R)
         return to_csr(self.placement.num_ranks, max(self.placement.num_replicas, 1), src, rep, tok)
-
-    def route_DR(self) -> np.ndarray:
-        """Dense int64 [D, R] route (for tests and small cases)."""
-        ptr, rep, tok = self.route
-        out = np.zeros((self.placement.num_ranks, self.placement.num_replicas), dtype=np.int64)
-        out[np.repeat(np.arange(ptr.size - 1), np.diff(ptr)), rep] = tok
-        return out
 
     @cached_property
     def cross_node_tokens(self) -> int:

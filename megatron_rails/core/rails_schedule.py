@@ -19,7 +19,6 @@ outgoing traffic only. The schedule is a pure, deterministic function of (traffi
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property
 
 import numpy as np
 
@@ -67,51 +66,6 @@ class RailSchedule:
     @property
     def inter(self) -> np.ndarray:
         return self.rail_K >= 0
-
-    @cached_property
-    def rail_egress_PN(self) -> np.ndarray:
-        """Units each node sends on each of its rails, [P nodes, N rails]."""
-        return self._per_rail(self.topo.node_of(self.src_K))
-
-    @cached_property
-    def rail_ingress_PN(self) -> np.ndarray:
-        """Units each node receives on each of its rails, [P, N]."""
-        return self._per_rail(self.topo.node_of(self.dst_K))
-
-    def _per_rail(self, node_K) -> np.ndarray:
-        P, N = self.num_ranks // self.topo.gpus_per_node, self.topo.rails_per_node
-        m = self.inter
-        out = np.zeros((P, N), dtype=np.int64)
-        np.add.at(out, (node_K[m], self.rail_K[m]), self.units_K[m])
-        return out
-
-    @cached_property
-    def rail_sent_D(self) -> np.ndarray:
-        """Units each rank puts on the network (as forwarder), [D]."""
-        m = self.inter
-        return np.bincount(self.fwd_K[m], weights=self.units_K[m], minlength=self.num_ranks).astype(np.int64)
-
-    def nvlink_out_D(self) -> np.ndarray:
-        """Units each GPU sends over NVLink (intra-node messages + forwarding hops), [D].
-        A rank's message to itself is a local copy and moves nothing."""
-        D, m = self.num_ranks, self.inter
-        local = ~m & (self.src_K != self.dst_K)
-        out = np.bincount(self.src_K[local], weights=self.units_K[local], minlength=D)
-        hop1 = m & (self.fwd_K != self.src_K)
-        out += np.bincount(self.src_K[hop1], weights=self.units_K[hop1], minlength=D)
-        hop3 = m & (self.land_K != self.dst_K)
-        out += np.bincount(self.land_K[hop3], weights=self.units_K[hop3], minlength=D)
-        return out.astype(np.int64)
-
-    def nvlink_in_D(self) -> np.ndarray:
-        D, m = self.num_ranks, self.inter
-        local = ~m & (self.src_K != self.dst_K)
-        out = np.bincount(self.dst_K[local], weights=self.units_K[local], minlength=D)
-        hop1 = m & (self.fwd_K != self.src_K)
-        out += np.bincount(self.fwd_K[hop1], weights=self.units_K[hop1], minlength=D)
-        hop3 = m & (self.land_K != self.dst_K)
-        out += np.bincount(self.dst_K[hop3], weights=self.units_K[hop3], minlength=D)
-        return out.astype(np.int64)
 
     def check(self) -> None:
         """Raise AssertionError unless the chunks deliver exactly `traffic_DD` along valid hops."""

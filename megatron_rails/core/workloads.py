@@ -156,18 +156,6 @@ class WorkloadSpec:
         return self.tokens_per_rank * self.topk
 
 
-def mixtral_like(num_ranks: int, tokens_per_rank: int = 4096, skew: str = "uniform", *,
-                 seed: int = 0, num_layers: int = 1) -> WorkloadSpec:
-    """Mixtral 8x7B / 8x22B routing: 8 experts, top-2 (the models have 32 / 56 MoE layers)."""
-    return WorkloadSpec(num_ranks, 8, 2, tokens_per_rank, skew, seed, num_layers)
-
-
-def deepseek_like(num_ranks: int, tokens_per_rank: int = 4096, skew: str = "uniform", *,
-                  seed: int = 0, num_layers: int = 1) -> WorkloadSpec:
-    """DeepSeek-V3 routing: 256 routed experts, top-8 (the model has 58 MoE layers)."""
-    return WorkloadSpec(num_ranks, 256, 8, tokens_per_rank, skew, seed, num_layers)
-
-
 # -- sampling -------------------------------------------------------------------------------------------------
 
 class _Dist:
