@@ -158,7 +158,7 @@ def test_bench_local_runs_and_checks_the_send_order(tmp_path):
 
 def test_collective_device_follows_the_backend(monkeypatch):
     """Bookkeeping tensors of a collective go where the backend takes them: CUDA under NCCL alone."""
-    import megatron_rails.runtime.comm as comm
+    import megatron_rails.runtime.comm.base as comm
 
     monkeypatch.setattr(comm.torch.cuda, "current_device", lambda: 3)
     for backend, want in (("nccl", torch.device("cuda", 3)), ("gloo", torch.device("cpu")),

@@ -115,7 +115,7 @@ def _worker(rank, world, store, reps, warmup, out):
 def _weight_exchange_ms(store, reps: int, warmup: int) -> dict:
     """The floor under fsep's overhead here: one bare all-to-all of the size of its weight exchange
     (every rank's shard of every expert, one slot each), timed alone; a layer step has two."""
-    buf = store.shards_EP.detach().clone()
+    buf = store.shards.detach().clone()
     D = dist.get_world_size()
     split = [buf.shape[0] // D] * D
     times = []

@@ -8,7 +8,7 @@ of expert_kinds.py), DDP's pending parameter all-gathers, and the metric tracker
 Each dispatcher holds its own policy, fixed when it is built: the `policy` argument, else the one
 `megatron_rails.install()` set (`installed_policy()`), else the product default `PolicyConfig()`.
 
-Shape letters (docs/architecture.md): T local tokens (S x B), E experts, P pairs sent, Q pairs
+Shape letters (docs/architecture.md): T local tokens (sequence x batch), E experts, P pairs sent, Q pairs
 received, H hidden size.
 """
 from __future__ import annotations
@@ -77,7 +77,7 @@ class RailsTokenDispatcher(MoETokenDispatcher):
         self.runtime.attach(expert_kind(experts), before_read=wait_param_gather)
 
     def dispatch_preprocess(self, hidden_states: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor):
-        """hidden_states [S, B, H]; routing_map bool [T, E]; probs float [T, E] -> pairs in send order."""
+        """hidden_states [sequence, batch, H]; routing_map bool [T, E]; probs float [T, E] -> pairs in send order."""
         self.hidden_shape = hidden_states.shape
         x_TH = hidden_states.reshape(-1, self.hidden_shape[-1])
         x_PH, probs_P, record = self.runtime.dispatch(x_TH, routing_map, probs)

@@ -12,7 +12,8 @@ Replica weights travel as one flat vector per replica through a differentiable a
 backward the replica weight gradients flow back through the reverse exchange and are summed into
 the owner's parameters by autograd, in a fixed order (same graph, same order on every run).
 
-Legend: P flat parameter count of one expert; N tokens of one slot; H hidden size.
+Shape letters (docs/architecture.md): W parameters of one expert (flat), N tokens of one slot, H hidden
+size, E experts, D EP ranks; a shard row holds ceil(W/D) of an expert's parameters.
 """
 from __future__ import annotations
 
@@ -80,7 +81,7 @@ class ExpertStore:
 
     @property
     def flat_size(self) -> int:
-        """P: the parameter count of one expert."""
+        """W: the parameter count of one expert."""
         return int(sum(self.numels))
 
     @property
@@ -100,7 +101,7 @@ class ExpertStore:
         return [view(get(name)) for name, view in self.kind.slices(expert - self.first_local)]
 
     def flat(self, expert: int) -> torch.Tensor:
-        """float [P]: owner expert's parameters as one differentiable vector."""
+        """float [W]: owner expert's parameters as one differentiable vector."""
         i = expert - self.first_local
         parts = []
         for name, view in self.kind.slices(i):
@@ -111,8 +112,8 @@ class ExpertStore:
             parts.append(t.reshape(-1))
         return torch.cat(parts)
 
-    def unflatten(self, vec_P: torch.Tensor) -> dict[str, torch.Tensor]:
-        return {n: t.view(s) for n, t, s in zip(self.names, torch.split(vec_P, self.numels), self.shapes)}
+    def unflatten(self, vec_W: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {n: t.view(s) for n, t, s in zip(self.names, torch.split(vec_W, self.numels), self.shapes)}
 
     def fetch(self, plan: Plan, exchange) -> tuple[dict[int, dict[str, torch.Tensor]], torch.Tensor | None]:
         """Bring the weights of this rank's active replica slots from their owners.
@@ -156,7 +157,7 @@ class ExpertStore:
 
 class ShardedExpertStore(ExpertStore):
     """FSEP layout: every expert's flat parameters live as D shards, shard k on rank k
-    (`shards_EP` float [E, ceil(P/D)], a Parameter registered on the experts module); the stock
+    (`shards` float [E, ceil(W/D)], a Parameter registered on the experts module); the stock
     expert parameters are kept only as the checkpoint view and no longer train.
 
     Each step the plan's slots are materialized by one all-to-all of shards; in backward the slot
@@ -196,7 +197,7 @@ class ShardedExpertStore(ExpertStore):
             experts.sharded_state_dict = sharded_state_dict
 
     @property
-    def shards_EP(self) -> torch.nn.Parameter:
+    def shards(self) -> torch.nn.Parameter:
         return getattr(self.experts, self.PARAM)
 
     def _owned(self) -> list[int]:
@@ -213,16 +214,16 @@ class ShardedExpertStore(ExpertStore):
         flats = [torch.nn.functional.pad(f, (0, pad - self.flat_size)).view(D, self.shard)
                  for f in self._owned_flats()]
         buf = torch.stack(flats, 1).reshape(D * len(owned), self.shard) if owned else \
-            self.shards_EP.new_zeros((0, self.shard))
+            self.shards.new_zeros((0, self.shard))
         n_D = np.bincount(self.owner_E, minlength=D)
         got = self.exchange(buf, [len(owned)] * D, n_D.tolist())  # from each owner, its experts in order
-        self.shards_EP.copy_(got)
+        self.shards.copy_(got)
 
     @torch.no_grad()
     def gather_to_owners(self, source: torch.Tensor | None = None) -> list[torch.Tensor]:
-        """Reassemble this rank's owned experts (flat [P] each) from every rank's shards of `source`
+        """Reassemble this rank's owned experts (flat [W] each) from every rank's shards of `source`
         (default the shards themselves; pass shards.grad for gradients). Collective."""
-        src = self.shards_EP if source is None else source
+        src = self.shards if source is None else source
         D = self.num_ranks
         n_D = np.bincount(self.owner_E, minlength=D)
         owned = self._owned()
@@ -240,7 +241,7 @@ class ShardedExpertStore(ExpertStore):
     def owner_layout_grads(self) -> dict[str, torch.Tensor]:
         """Gradients of the stock expert parameters (names relative to the experts module) implied
         by the shard gradients (collective)."""
-        grad = self.shards_EP.grad if self.shards_EP.grad is not None else torch.zeros_like(self.shards_EP)
+        grad = self.shards.grad if self.shards.grad is not None else torch.zeros_like(self.shards)
         out = {n: torch.zeros_like(p) for n, p in self.params.items()}
         self._scatter(self.gather_to_owners(grad), out.__getitem__)
         return out
@@ -279,11 +280,11 @@ class ShardedExpertStore(ExpertStore):
         # my shard of every active slot, by (rank, slot): the shards as they are when every expert
         # has one slot, in expert order (the common case: no gather, no scatter in backward)
         idx = None if np.array_equal(experts, np.arange(self.num_experts)) else _ShardRows(experts, self.num_experts,
-                                                                                         self.shards_EP.device)
+                                                                                         self.shards.device)
         mine = active[dest == me]
         n_send = np.bincount(dest, minlength=D)
         traffic_DD = np.broadcast_to(n_send, (D, D))  # every rank sends its shard of every active slot
-        anchor, *tensors = _Materialize.apply(self.shards_EP, idx, exchange, n_send.tolist(), int(mine.size),
+        anchor, *tensors = _Materialize.apply(self.shards, idx, exchange, n_send.tolist(), int(mine.size),
                                               traffic_DD, self.flat_size, self.numels)
         k = len(self.names)
         return {int(s): {n: t.view(shape) for n, t, shape in zip(self.names, tensors[i * k:(i + 1) * k], self.shapes)}
@@ -300,21 +301,21 @@ class _Materialize(torch.autograd.Function):
     with active slots anywhere runs this node in backward through the anchor, even with n = 0."""
 
     @staticmethod
-    def forward(ctx, shards_EP, idx, exchange, n_send, n_mine, traffic_DD, flat_size, numels):
+    def forward(ctx, shards, idx, exchange, n_send, n_mine, traffic_DD, flat_size, numels):
         D = len(n_send)
-        buf = shards_EP if idx is None else shards_EP.index_select(0, idx.rows)
+        buf = shards if idx is None else shards.index_select(0, idx.rows)
         got = exchange(buf, n_send, [n_mine] * D, traffic_DD)  # [D * n, shard], by source
         full = _slot_major(got, D, n_mine)
-        ctx.meta = (idx, exchange, n_send, n_mine, traffic_DD, shards_EP, numels, flat_size)
+        ctx.meta = (idx, exchange, n_send, n_mine, traffic_DD, shards, numels, flat_size)
         ctx.set_materialize_grads(False)
         pieces = [t for i in range(n_mine) for t in torch.split(full[i, :flat_size], numels)]
         return (full.new_empty(0), *pieces)
 
     @staticmethod
     def backward(ctx, _anchor_grad, *grads):
-        idx, exchange, n_send, n_mine, traffic_DD, shards_EP, numels, flat_size = ctx.meta
-        D, shard = len(n_send), shards_EP.shape[1]
-        flat = shards_EP.new_empty((n_mine, D * shard))
+        idx, exchange, n_send, n_mine, traffic_DD, shards, numels, flat_size = ctx.meta
+        D, shard = len(n_send), shards.shape[1]
+        flat = shards.new_empty((n_mine, D * shard))
         flat[:, flat_size:] = 0  # the padding of the last shard
         k = len(numels)
         for i in range(n_mine):
@@ -324,7 +325,7 @@ class _Materialize(torch.autograd.Function):
                 else:
                     piece.copy_(g.reshape(-1))
         back = exchange(_rank_major(flat, D), [n_mine] * D, n_send, np.ascontiguousarray(traffic_DD.T))  # my shard of each slot
-        return (back.view(shards_EP.shape) if idx is None else idx.scatter(back)), None, None, None, None, None, None, None
+        return (back.view(shards.shape) if idx is None else idx.scatter(back)), None, None, None, None, None, None, None
 
 
 class _ShardRows:

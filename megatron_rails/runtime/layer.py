@@ -147,9 +147,9 @@ class LayerRuntime:
     def exchange_tokens(self, x_P: torch.Tensor, probs_P: torch.Tensor):
         """The token all-to-all: (x_Q [Q, H], probs_Q [Q]) in source-rank order."""
         maybe_fault("token_dispatch", self.rank)
-        T, so = self.plan.send_DD, self.sent
-        x_Q = self.comm.exchange(x_P, so.send_D, so.recv_D, T)
-        probs_Q = self.comm.exchange(probs_P.unsqueeze(-1), so.send_D, so.recv_D, T).squeeze(-1)
+        send_DD, so = self.plan.send_DD, self.sent
+        x_Q = self.comm.exchange(x_P, so.send_D, so.recv_D, send_DD)
+        probs_Q = self.comm.exchange(probs_P.unsqueeze(-1), so.send_D, so.recv_D, send_DD).squeeze(-1)
         return x_Q, probs_Q
 
     # -- 3. group by slot, compute the borrowed slots ---------------------------------------------

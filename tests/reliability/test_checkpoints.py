@@ -124,7 +124,7 @@ def _sharded_worker(rank, world):
         megatron_rails.uninstall()
     store = layer.token_dispatcher.store
     with torch.no_grad():  # what training does to the shards; the stock copies go stale
-        store.shards_EP.add_(torch.randn(store.shards_EP.shape, generator=torch.Generator().manual_seed(rank)))
+        store.shards.add_(torch.randn(store.shards.shape, generator=torch.Generator().manual_seed(rank)))
     sharded = layer.sharded_state_dict()  # first, and copied now: its tensors alias the parameters
     sharded = {k: v.data.clone() for k, v in sharded.items() if torch.is_tensor(getattr(v, "data", None))}
     plain = layer.state_dict()

@@ -101,16 +101,17 @@ class RailsAllToAll:
         recv_D[j] of them (as all_to_all_single)."""
         if traffic_DD is None:
             traffic_DD = self._gather_traffic(send_D)
-        T = np.asarray(traffic_DD, dtype=np.int64)
-        if not (np.array_equal(T[self.me], np.asarray(send_D)) and np.array_equal(T[:, self.me], np.asarray(recv_D))):
+        traffic = np.asarray(traffic_DD, dtype=np.int64)
+        if not (np.array_equal(traffic[self.me], np.asarray(send_D))
+                and np.array_equal(traffic[:, self.me], np.asarray(recv_D))):
             raise ValueError("rails exchange: traffic_DD disagrees with this rank's send/recv splits")
-        steps = self._steps(T)
+        steps = self._steps(traffic)
         row_bytes = x.element_size() * int(np.prod(x.shape[1:], dtype=np.int64))
         self.last_sprayed = steps is not None
         if steps is None:  # the rails are even enough: one direct all-to-all
             self.direct += 1
             off = self._off_node
-            np.add.at(self.rail_bytes_sent, self._rail_of_dst[off], T[self.me][off] * row_bytes)
+            np.add.at(self.rail_bytes_sent, self._rail_of_dst[off], traffic[self.me][off] * row_bytes)
             return all_to_all(x, send_D, recv_D, self.group)
         self.sprayed += 1
         self.last_schedule = steps["schedule"]
@@ -135,16 +136,16 @@ class RailsAllToAll:
         dist.all_gather(list(out.unbind(0)), mine, group=self.group)
         return out.cpu().numpy()
 
-    def _steps(self, T: np.ndarray) -> Optional[dict]:
-        """The sprayed exchange's steps for traffic T, or None for the direct exchange."""
-        key = T.tobytes()
+    def _steps(self, traffic_DD: np.ndarray) -> Optional[dict]:
+        """The sprayed exchange's steps for traffic_DD, or None for the direct exchange."""
+        key = traffic_DD.tobytes()
         if key in self._plans:
             self._plans.move_to_end(key)
             return self._plans[key]
-        if rail_imbalance(T, self.topo) <= 1.0 + self.tolerance:
+        if rail_imbalance(traffic_DD, self.topo) <= 1.0 + self.tolerance:
             steps = None
         else:
-            steps = build_steps(rails_schedule(T, self.topo), self.me)
+            steps = build_steps(rails_schedule(traffic_DD, self.topo), self.me)
         self._plans[key] = steps
         if len(self._plans) > self._cache:
             self._plans.popitem(last=False)
