@@ -24,8 +24,10 @@ from ..core.topology import PRESET_DIR as TOPOLOGY_DIR
 from ..core.topology import Topology
 
 POLICY_DIR = presets.POLICY_DIR
-# the checkout's root, where paths like configs/mini/... in a run config resolve as a last resort
-REPO_DIR = Path(__file__).resolve().parents[2]
+# a source checkout's root, where paths like configs/mini/... in a run config resolve as a last
+# resort; None in an installed package (there only the cwd and the config's own directory count)
+_ROOT = Path(__file__).resolve().parents[2]
+REPO_DIR = _ROOT if (_ROOT / "pyproject.toml").is_file() and (_ROOT / "configs").is_dir() else None
 
 
 def _f(default=dataclasses.MISSING, doc: str = "", *, megatron: bool = True, choices=None, minimum=None):
@@ -277,7 +279,7 @@ def load_run_config(path, overrides=()) -> RunConfig:
         if found is None:
             raise ConfigError(f"{where}: {key}: {'policy' if key == 'balancer' else 'topology'} file "
                               f"{ref!r} not found (a preset name, or a path relative to the working "
-                              f"directory, {base} or {REPO_DIR})")
+                              f"directory, {base}" + (f" or {REPO_DIR})" if REPO_DIR else ")"))
         try:
             data = read_yaml(found)
         except ConfigError as e:

@@ -154,13 +154,13 @@ def read_yaml(path) -> dict:
     return data
 
 
-def resolve_ref(ref: str, base: Path, preset_dir: Path, root: Path) -> Path | None:
+def resolve_ref(ref: str, base: Path, preset_dir: Path, root: Path | None) -> Path | None:
     """A referenced YAML: a preset name (no suffix), or a path relative to the cwd, the referring
-    file's directory or `root` (the repository), in that order."""
+    file's directory or `root` (a source checkout; None for none), in that order."""
     p = Path(ref)
     if not p.suffix and not p.exists() and (preset_dir / f"{ref}.yaml").is_file():
         return preset_dir / f"{ref}.yaml"
-    for cand in ([p] if p.is_absolute() else [p, base / p, root / p]):
+    for cand in ([p] if p.is_absolute() else [p, base / p] + ([root / p] if root else [])):
         if cand.is_file():
             return cand
     return None
