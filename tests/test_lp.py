@@ -76,14 +76,14 @@ def hosts_from_slots(placement):
 
 
 def hall_optimum(load, placement) -> Fraction:
-    """Exact fractional optimum by enumerating every nonempty rank set Q (D <= 10)."""
+    """Exact fractional optimum by enumerating every nonempty rank set X (D <= 10)."""
     hosted = hosts_from_slots(placement)
     D = hosted.shape[0]
     mask_E = (hosted.astype(np.int64) << np.arange(D)[:, None]).sum(axis=0)
-    Q = np.arange(1, 2 ** D)
-    inside = (mask_E[None, :] & ~Q[:, None]) == 0  # every host of the expert lies in Q
+    sets = np.arange(1, 2 ** D)  # rank sets X as bitmasks
+    inside = (mask_E[None, :] & ~sets[:, None]) == 0  # every host of the expert lies in X
     w = (inside * load[None, :]).sum(axis=1)
-    size = np.array([bin(q).count("1") for q in Q])
+    size = np.array([bin(x).count("1") for x in sets])
     return max((Fraction(int(a), int(b)) for a, b in zip(w, size)), default=Fraction(0))
 
 

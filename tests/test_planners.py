@@ -26,7 +26,7 @@ def problems(draw, need_divisible=False):
         E = D * draw(st.integers(1, 4))
     else:
         E = draw(st.integers(1, 20))
-    R = draw(st.integers(0, 3))
+    S = draw(st.integers(0, 3))
     kind = draw(st.sampled_from(["random", "zipf", "one", "zeros", "sparse", "zero_rank"]))
     rng = np.random.default_rng(draw(st.integers(0, 2**31)))
     if kind == "random":
@@ -44,7 +44,7 @@ def problems(draw, need_divisible=False):
     else:
         counts = rng.integers(0, 40, size=(D, E))
         counts[draw(st.integers(0, D - 1))] = 0
-    return PlannerConfig(D, E, G, R), np.asarray(counts, dtype=np.int64)
+    return PlannerConfig(D, E, G, S), np.asarray(counts, dtype=np.int64)
 
 
 def stock_owner(E, D):
@@ -64,7 +64,7 @@ def check_plan(plan, cfg, counts):
     D, E = cfg.num_ranks, cfg.num_experts
     se = np.asarray(p.slot_expert_DS)
     assert se.shape[0] == D
-    # slot budget: ceil(E/D) + R slots per rank for every policy
+    # slot budget: ceil(E/D) + S slots per rank for every policy
     assert se.shape[1] <= -(-E // D) + cfg.slots
     # each rank hosts an expert at most once
     for d in range(D):
@@ -112,7 +112,7 @@ def test_planner_properties(policy, prob):
     planner = make_planner(policy, cfg)
     try:
         plan, state = planner.plan(counts, planner.initial_state())
-    except PlannerError as err:  # no policy may refuse a valid config: ceil(E/D) + R slots always fit
+    except PlannerError as err:  # no policy may refuse a valid config: ceil(E/D) + S slots always fit
         pytest.fail(f"{policy} refused {cfg}: {err}")
     check_plan(plan, cfg, counts)
     # determinism: a fresh planner on the same input gives the same plan hash
@@ -192,7 +192,7 @@ def test_ultraep_balances_a_hot_expert_exactly():
 
 def test_ultraep_reports_best_when_slots_cannot_absorb():
     counts = np.zeros((4, 4), dtype=np.int64)
-    counts[:, 0] = 100  # 400 tokens, one expert; R=0 means no replica is possible
+    counts[:, 0] = 100  # 400 tokens, one expert; S=0 means no replica is possible
     plan, _ = make_planner("ultraep", PlannerConfig(4, 4, 4, 0)).plan(counts)
     assert plan.load_D.max() == 400 and plan.info["mean_bound"] == 100
 

@@ -23,8 +23,8 @@ ROOT = Path(__file__).resolve().parents[1]
 VIRTUAL = [(2, 2, 2), (2, 4, 4), (4, 2, 2), (3, 8, 8), (3, 8, 4), (2, 8, 4)]
 
 
-def topo_of(P, G, N, **kw):
-    return Topology(name=f"{P}x{G}r{N}", gpus_per_node=G, rails_per_node=N, nodes=P, **kw)
+def topo_of(V, G, J, **kw):
+    return Topology(name=f"{V}x{G}r{J}", gpus_per_node=G, rails_per_node=J, nodes=V, **kw)
 
 
 def random_traffic(rng, D, kind):
@@ -34,24 +34,24 @@ def random_traffic(rng, D, kind):
         return rng.integers(0, 2000, (D, D)) * (rng.random((D, D)) < 0.3)
     if kind == 2:
         return (rng.pareto(1.0, (D, D)) * 50).astype(np.int64)
-    T = rng.integers(0, 20, (D, D))  # hot receivers: a few columns carry most
-    T[:, rng.integers(D, size=2)] += rng.integers(0, 10_000, (D, 1))
-    return T
+    traffic = rng.integers(0, 20, (D, D))  # hot receivers: a few columns carry most
+    traffic[:, rng.integers(D, size=2)] += rng.integers(0, 10_000, (D, 1))
+    return traffic
 
 
 def cases(n_per_topo=12, seed=0):
     rng = np.random.default_rng(seed)
-    for P, G, N in VIRTUAL:
+    for V, G, J in VIRTUAL:
         for k in range(n_per_topo):
-            yield topo_of(P, G, N), random_traffic(rng, P * G, k % 4)
+            yield topo_of(V, G, J), random_traffic(rng, V * G, k % 4)
 
 
 # -- the reference scheduler: the original per-pair loop, kept to pin the vectorized one's exact output ------
 
-def reference_schedule(T, topo):
-    T = np.asarray(T, dtype=np.int64)
-    G, N = topo.gpus_per_node, topo.rails_per_node
-    gpr, P = G // N, T.shape[0] // G
+def reference_schedule(traffic, topo):
+    traffic = np.asarray(traffic, dtype=np.int64)
+    G, J = topo.gpus_per_node, topo.rails_per_node
+    gpr, V = G // J, traffic.shape[0] // G
     cols = [[] for _ in range(6)]
 
     def emit(a, b, i, j, r, units):
@@ -61,9 +61,9 @@ def reference_schedule(T, topo):
         for c, v in zip(cols, (s, d, r, f, g, units)):
             c.append(v)
 
-    for a in range(P):
-        for b in range(P):
-            blk = T[a * G:(a + 1) * G, b * G:(b + 1) * G]
+    for a in range(V):
+        for b in range(V):
+            blk = traffic[a * G:(a + 1) * G, b * G:(b + 1) * G]
             i, j = np.nonzero(blk)
             if a == b:
                 for ii, jj in zip(i, j):
@@ -74,10 +74,10 @@ def reference_schedule(T, topo):
                 continue
             u = blk[i, j]
             nat = j // gpr
-            nat_load = np.bincount(nat, weights=u, minlength=N)
-            base, rem = divmod(int(u.sum()), N)
-            cap = np.full(N, base)
-            cap[np.lexsort(((np.arange(N) - a - b) % N, -nat_load))[:rem]] += 1
+            nat_load = np.bincount(nat, weights=u, minlength=J)
+            base, rem = divmod(int(u.sum()), J)
+            cap = np.full(J, base)
+            cap[np.lexsort(((np.arange(J) - a - b) % J, -nat_load))[:rem]] += 1
             cap = cap.tolist()
             spill = []
             for k in np.lexsort((j, i, -u)):
@@ -89,29 +89,29 @@ def reference_schedule(T, topo):
                     spill.append((int(u[k]) - take, int(i[k]), int(j[k])))
             for left, ii, jj in sorted(spill, key=lambda x: (-x[0], x[1], x[2])):
                 while left:
-                    rr = max(range(N), key=lambda r: (cap[r], -r))
+                    rr = max(range(J), key=lambda r: (cap[r], -r))
                     take = min(left, cap[rr])
                     cap[rr] -= take
                     left -= take
                     emit(a, b, ii, jj, rr, take)
     from megatron_rails.core.rails_schedule import RailSchedule
 
-    return RailSchedule.from_chunks(topo, T, *cols)
+    return RailSchedule.from_chunks(topo, traffic, *cols)
 
 
 FIELDS = ("src_K", "dst_K", "rail_K", "fwd_K", "land_K", "units_K", "off_K")
 
 
 def test_vectorized_schedule_matches_reference():
-    for topo, T in cases(n_per_topo=8, seed=1):
-        got, ref = rails_schedule(T, topo), reference_schedule(T, topo)
+    for topo, traffic in cases(n_per_topo=8, seed=1):
+        got, ref = rails_schedule(traffic, topo), reference_schedule(traffic, topo)
         for f in FIELDS:
             assert np.array_equal(getattr(got, f), getattr(ref, f)), (topo.name, f)
 
 
 def test_schedule_conservation_by_independent_recount():
-    for topo, T in cases():
-        sch = rails_schedule(T, topo)
+    for topo, traffic in cases():
+        sch = rails_schedule(traffic, topo)
         G, gpr = topo.gpus_per_node, topo.gpus_per_rail
         got, pieces = {}, {}
         for s, d, r, f, g, u, o in zip(*(getattr(sch, k).tolist() for k in FIELDS)):
@@ -124,62 +124,62 @@ def test_schedule_conservation_by_independent_recount():
                 assert 0 <= r < topo.rails_per_node
                 assert f // G == s // G and (f % G) // gpr == r and g // G == d // G and (g % G) // gpr == r
                 assert (f == s) == ((s % G) // gpr == r) and (g == d) == ((d % G) // gpr == r)
-        want = {(int(s), int(d)): int(T[s, d]) for s, d in zip(*np.nonzero(T))}
+        want = {(int(s), int(d)): int(traffic[s, d]) for s, d in zip(*np.nonzero(traffic))}
         assert got == want, topo.name
-        for (s, d), ps in pieces.items():  # offsets tile [0, T[s, d]) without gaps or overlaps
+        for (s, d), ps in pieces.items():  # offsets tile [0, traffic[s, d]) without gaps or overlaps
             ps.sort()
             assert ps[0][0] == 0 and all(o2 == o1 + u1 for (o1, u1), (o2, _) in zip(ps, ps[1:]))
 
 
 def test_schedule_balances_every_node_egress_and_ingress_per_rail():
-    for topo, T in cases(seed=2):
-        sch = rails_schedule(T, topo)
-        P, G, N = topo.nodes, topo.gpus_per_node, topo.rails_per_node
-        pair_PPN = np.zeros((P, P, N), dtype=np.int64)
+    for topo, traffic in cases(seed=2):
+        sch = rails_schedule(traffic, topo)
+        V, G, J = topo.nodes, topo.gpus_per_node, topo.rails_per_node
+        pair_VVJ = np.zeros((V, V, J), dtype=np.int64)
         for s, d, r, u in zip(sch.src_K, sch.dst_K, sch.rail_K, sch.units_K):
             if r >= 0:
-                pair_PPN[s // G, d // G, r] += u
-        tot_PP = T.reshape(P, G, P, G).sum(axis=(1, 3))
-        np.fill_diagonal(tot_PP, 0)
-        lo, hi = tot_PP // N, -(-tot_PP // N)
-        # every node pair: each rail carries floor or ceil of the pair's total / N
-        assert np.all(pair_PPN >= lo[..., None]) and np.all(pair_PPN <= hi[..., None])
+                pair_VVJ[s // G, d // G, r] += u
+        tot_VV = traffic.reshape(V, G, V, G).sum(axis=(1, 3))
+        np.fill_diagonal(tot_VV, 0)
+        lo, hi = tot_VV // J, -(-tot_VV // J)
+        # every node pair: each rail carries floor or ceil of the pair's total / J
+        assert np.all(pair_VVJ >= lo[..., None]) and np.all(pair_VVJ <= hi[..., None])
         # so every node's egress AND ingress per rail is within the summed rounding bound (receiver uniformity)
         for axis in (1, 0):
-            per_rail = pair_PPN.sum(axis=axis)
+            per_rail = pair_VVJ.sum(axis=axis)
             assert np.all(per_rail >= lo.sum(axis=axis)[:, None]) and np.all(per_rail <= hi.sum(axis=axis)[:, None])
             assert np.all(per_rail.max(1) - per_rail.min(1) <= (hi - lo).sum(axis=axis))
-        assert np.array_equal(pair_PPN.sum(axis=1), rail_egress(sch))
-        assert np.array_equal(pair_PPN.sum(axis=0), rail_ingress(sch))
+        assert np.array_equal(pair_VVJ.sum(axis=1), rail_egress(sch))
+        assert np.array_equal(pair_VVJ.sum(axis=0), rail_ingress(sch))
 
 
 def test_schedule_is_deterministic_and_dtype_blind():
-    topo, T = next(cases(seed=3))
-    a, b = rails_schedule(T, topo), rails_schedule(T.astype(np.int32), topo)
+    topo, traffic = next(cases(seed=3))
+    a, b = rails_schedule(traffic, topo), rails_schedule(traffic.astype(np.int32), topo)
     assert all(np.array_equal(getattr(a, f), getattr(b, f)) for f in FIELDS)
 
 
 def test_nvlink_figures_skip_self_messages():
     topo = topo_of(2, 2, 2)
-    T = np.zeros((4, 4), dtype=np.int64)
-    T[0, 0], T[0, 1] = 7, 5
-    loads = resource_loads(rails_schedule(T, topo))
+    traffic = np.zeros((4, 4), dtype=np.int64)
+    traffic[0, 0], traffic[0, 1] = 7, 5
+    loads = resource_loads(rails_schedule(traffic, topo))
     assert loads.nvl_out_D.tolist() == [5, 0, 0, 0] and loads.nvl_in_D.tolist() == [0, 5, 0, 0]
-    assert loads.nic_out_PN.sum() == 0 and loads.nic_in_PN.sum() == 0
+    assert loads.nic_out_VJ.sum() == 0 and loads.nic_in_VJ.sum() == 0
 
 
 def test_direct_and_ecmp_schedules_are_valid():
-    for topo, T in cases(n_per_topo=6, seed=4):
+    for topo, traffic in cases(n_per_topo=6, seed=4):
         G = topo.gpus_per_node
-        d_sch, e_sch = direct_schedule(T, topo), ecmp_schedule(T, topo)
+        d_sch, e_sch = direct_schedule(traffic, topo), ecmp_schedule(traffic, topo)
         for sch in (d_sch, e_sch):
             sch.check()
-            assert sch.units_K.size == np.count_nonzero(T)  # whole messages
+            assert sch.units_K.size == np.count_nonzero(traffic)  # whole messages
         inter = d_sch.rail_K >= 0
         assert np.array_equal(d_sch.rail_K[inter], topo.rail_of(d_sch.dst_K[inter]))
         assert np.array_equal(d_sch.land_K, d_sch.dst_K)  # no receiver-side forwarding
         inter = e_sch.rail_K >= 0
-        want = ecmp_rail(e_sch.src_K[inter], e_sch.dst_K[inter], T.shape[0], topo.rails_per_node)
+        want = ecmp_rail(e_sch.src_K[inter], e_sch.dst_K[inter], traffic.shape[0], topo.rails_per_node)
         assert np.array_equal(e_sch.rail_K[inter], want)
         assert np.array_equal(e_sch.src_K // G == e_sch.dst_K // G, ~(e_sch.rail_K >= 0))
     rails = ecmp_rail(np.repeat(np.arange(64), 64), np.tile(np.arange(64), 64), 64, 8)
@@ -191,16 +191,16 @@ def test_direct_and_ecmp_schedules_are_valid():
 HAND = dict(nic_gbps=100.0, nvlink_gbps=400.0, latency_us=1.0)  # 1e6 B: 80 us on a NIC, 20 us on NVLink
 
 
-def sim_bytes(T):
-    res = {r.scheme: r for r in simulate(np.asarray(T, dtype=np.int64), topo_of(2, 2, 2, **HAND))}
+def sim_bytes(traffic):
+    res = {r.scheme: r for r in simulate(np.asarray(traffic, dtype=np.int64), topo_of(2, 2, 2, **HAND))}
     assert list(res) == list(SCHEMES)
     return res
 
 
 def test_one_inter_node_message_by_hand():
-    T = np.zeros((4, 4), dtype=np.int64)
-    T[0, 3] = 10**6  # GPU 0 (node 0, rail 0) -> GPU 3 (node 1, rail 1)
-    r = sim_bytes(T)
+    traffic = np.zeros((4, 4), dtype=np.int64)
+    traffic[0, 3] = 10**6  # GPU 0 (node 0, rail 0) -> GPU 3 (node 1, rail 1)
+    r = sim_bytes(traffic)
     # direct: 0 -NVLink-> 1 -rail 1-> 3: NIC 80 us + 2 hops; phased: (20 + 1) + (80 + 1)
     assert r["direct"].completion_us == pytest.approx(82.0) and r["direct"].phased_us == pytest.approx(102.0)
     # ecmp: rail 1 is direct's path; rail 0 is 0 -rail 0-> 2 -NVLink-> 3: 80 + 2 hops either way
@@ -211,15 +211,15 @@ def test_one_inter_node_message_by_hand():
     # bound: node 0's 1e6 B over its 2 NICs = 40 us (> GPU 0's 1e6 B over NVLink + NIC = 16 us), + 1 latency
     for x in r.values():
         assert x.lower_bound_us == pytest.approx(41.0) and x.lb_term.startswith("nic_")
-    # busbw (nccl-tests): S = 1e6 / 4 ranks, algbw = S / t, busbw = algbw * 3 / 4
+    # busbw (nccl-tests): size = 1e6 / 4 ranks, algbw = size / t, busbw = algbw * 3 / 4
     assert r["rails"].busbw_GBps == pytest.approx(250_000 / 42e-6 / 1e9 * 0.75)
     assert r["rails"].busbw_gbps == pytest.approx(8 * r["rails"].busbw_GBps)
 
 
 def test_hot_receiver_by_hand():
-    T = np.zeros((4, 4), dtype=np.int64)
-    T[0, 3] = T[1, 3] = 10**6  # both GPUs of node 0 -> GPU 3
-    r = sim_bytes(T)
+    traffic = np.zeros((4, 4), dtype=np.int64)
+    traffic[0, 3] = traffic[1, 3] = 10**6  # both GPUs of node 0 -> GPU 3
+    r = sim_bytes(traffic)
     # direct: both on rail 1 (2e6 B: 160 us), GPU 0 forwards through GPU 1
     assert r["direct"].completion_us == pytest.approx(162.0) and r["direct"].phased_us == pytest.approx(182.0)
     assert r["direct"].bottleneck == "nic_out[0,1]"
@@ -232,32 +232,32 @@ def test_hot_receiver_by_hand():
 
 
 def test_intra_node_and_self_messages_by_hand():
-    T = np.zeros((4, 4), dtype=np.int64)
-    T[0, 1] = 10**6
-    for x in sim_bytes(T).values():
+    traffic = np.zeros((4, 4), dtype=np.int64)
+    traffic[0, 1] = 10**6
+    for x in sim_bytes(traffic).values():
         assert x.completion_us == pytest.approx(21.0) and x.lower_bound_us == pytest.approx(21.0)
-    T[0, 1], T[2, 2] = 0, 10**6  # a rank's message to itself moves nothing
-    for x in sim_bytes(T).values():
+    traffic[0, 1], traffic[2, 2] = 0, 10**6  # a rank's message to itself moves nothing
+    for x in sim_bytes(traffic).values():
         assert x.completion_us == 0.0 and x.lower_bound_us == 0.0 and x.hops == 0
 
 
 def test_loads_follow_the_chunks():
     topo = topo_of(3, 8, 4)
-    T = random_traffic(np.random.default_rng(5), 24, 3)
-    L = resource_loads(rails_schedule(T, topo), bytes_per_unit=3)
-    np.testing.assert_array_equal(L.nic_out_PN, rail_egress(rails_schedule(T, topo)) * 3)
-    inter_bytes = 3 * sum(int(T[s, d]) for s in range(24) for d in range(24) if s // 8 != d // 8)
-    assert L.nic_out_PN.sum() == L.nic_in_PN.sum() == inter_bytes
-    assert L.nvl_out_D.sum() == L.nvl_in_D.sum()
+    traffic = random_traffic(np.random.default_rng(5), 24, 3)
+    loads = resource_loads(rails_schedule(traffic, topo), bytes_per_unit=3)
+    np.testing.assert_array_equal(loads.nic_out_VJ, rail_egress(rails_schedule(traffic, topo)) * 3)
+    inter_bytes = 3 * sum(int(traffic[s, d]) for s in range(24) for d in range(24) if s // 8 != d // 8)
+    assert loads.nic_out_VJ.sum() == loads.nic_in_VJ.sum() == inter_bytes
+    assert loads.nvl_out_D.sum() == loads.nvl_in_D.sum()
 
 
 @pytest.mark.parametrize("nvlink", [3600.0, 400.0, 50.0])  # NVLink fast, equal-ish to and slower than a NIC
 def test_lower_bound_never_exceeds_any_scheme(nvlink):
-    for topo, T in cases(n_per_topo=6, seed=6):
+    for topo, traffic in cases(n_per_topo=6, seed=6):
         topo = Topology(name="x", gpus_per_node=topo.gpus_per_node, rails_per_node=topo.rails_per_node,
                         nodes=topo.nodes, nic_gbps=400.0, nvlink_gbps=nvlink, latency_us=2.0)
-        res = simulate(T, topo, bytes_per_unit=4096)
-        lb = lower_bound_us(T * 4096, topo)[0]
+        res = simulate(traffic, topo, bytes_per_unit=4096)
+        lb = lower_bound_us(traffic * 4096, topo)[0]
         for r in res:
             assert r.lower_bound_us == pytest.approx(lb)
             assert lb <= r.completion_us * (1 + 1e-12) and r.completion_us <= r.phased_us * (1 + 1e-12)

@@ -58,7 +58,7 @@ def _equal_counts_worker(rank, world):
     assert len(calls) == 3 and all(np.array_equal(c, calls[0]) for c in calls), "each microbatch plans"
     assert len(disp.metrics) == 3, "one metric record per microbatch"
     state = disp.runtime.state  # eplb keeps its moving window of loads in the state
-    assert state.step == 3 and len(state.history_WE) == 3, f"eplb's window saw {len(state.history_WE)} steps"
+    assert state.step == 3 and len(state.history_IE) == 3, f"eplb's window saw {len(state.history_IE)} steps"
     with replaying():  # an explicit replay: planned already, nothing recorded, state kept
         rails(x)
     assert len(calls) == 3 and len(disp.metrics) == 3 and disp.runtime.state.step == 3

@@ -42,14 +42,14 @@ def test_breakdown_adds_up_and_baseline(skewed):
         assert sum(r["breakdown"].values()) == pytest.approx(r["iteration_ms"], rel=1e-12)
         assert np.mean(r["iteration_ms_steps"]) == pytest.approx(r["iteration_ms"], rel=1e-12)
         assert all(v >= 0 for v in r["breakdown"].values())
-    # 1F1B with m microbatches on P stages: the iteration is (m + P - 1) x the slowest stage's microbatch
-    # time, so the bubble is (P - 1) / m x the rest of the breakdown
-    m, P = skewed["setup"]["microbatches"], skewed["setup"]["pp"]
-    assert P > 1
+    # 1F1B with m microbatches on pp stages: the iteration is (m + pp - 1) x the slowest stage's microbatch
+    # time, so the bubble is (pp - 1) / m x the rest of the breakdown
+    m, pp = skewed["setup"]["microbatches"], skewed["setup"]["pp"]
+    assert pp > 1
     for r in rows + skewed["force_balanced"]:
         busy = sum(v for k, v in r["breakdown"].items() if k != "pipeline_bubble_ms")
-        assert r["breakdown"]["pipeline_bubble_ms"] == pytest.approx((P - 1) / m * busy, rel=1e-12)
-        assert r["iteration_ms"] == pytest.approx((m + P - 1) / m * busy, rel=1e-12)
+        assert r["breakdown"]["pipeline_bubble_ms"] == pytest.approx((pp - 1) / m * busy, rel=1e-12)
+        assert r["iteration_ms"] == pytest.approx((m + pp - 1) / m * busy, rel=1e-12)
     base = next(r for r in rows if (r["policy"], r["comm"]) == ("none", "direct"))
     ideal = {r["comm"]: r["iteration_ms"] for r in skewed["force_balanced"]}
     for r in rows:  # speedup over stock EP (none, direct) and share of the ideal, from the iteration times
@@ -210,15 +210,15 @@ def test_simulator_doc_commands_and_trace_round_trip(capsys, tmp_path):
         out = run_doc_command(line, tmp_path, capsys)
         if line.startswith("megatron-rails trace "):
             counts, meta = load_trace(tmp_path / "trace.npz")
-            S, L, D, E = counts.shape
-            assert (L, D, E) == (2, 2, 8) and S >= 2 and meta["ranks"] == 2 and meta["topk"] == 2
+            I, Y, D, E = counts.shape
+            assert (Y, D, E) == (2, 2, 8) and I >= 2 and meta["ranks"] == 2 and meta["topk"] == 2
             assert (counts.sum(axis=3) == 2 * 32 * 2).all()  # micro-batch 2 x seq 32 x top-2 per rank
             assert (counts.max(axis=(0, 1, 2)) > 0).sum() >= 2
         if "--trace" in line and "--json" in line:
             res = json.loads(out)
             assert res["workload"].startswith("trace ") and res["setup"]["ep"] == 2
             none = next(r for r in res["rows"] if r["policy"] == "none")
-            stock = [counts[s % S, layer % L] for s in range(1) for layer in range(32)]
+            stock = [counts[s % I, layer % Y] for s in range(1) for layer in range(32)]
             from megatron_rails.core.plan import imbalance, stock_load_D
             want = np.mean([imbalance(stock_load_D(rescale_rows(c, 4096 * 2), 2)) for c in stock])
             assert none["max_over_mean"] == pytest.approx(want, rel=1e-9)
@@ -244,7 +244,7 @@ def test_single_node_closed_form_matches_the_flow_model(model):
     topo = load_topology("dgx-h100").with_nodes(1)
     fast = CommModel(topo, model)
     for _ in range(20):
-        T = rng.integers(0, 5000, (8, 8)) * (rng.random((8, 8)) < 0.7)
-        for r in simulate(T, topo, 8192, schemes=("direct", "rails")):
+        traffic = rng.integers(0, 5000, (8, 8)) * (rng.random((8, 8)) < 0.7)
+        for r in simulate(traffic, topo, 8192, schemes=("direct", "rails")):
             want = (r.completion_us if model == "fluid" else r.phased_us) / 1e3
-            assert fast.ms(T, 8192, r.scheme) == pytest.approx(want, rel=1e-12, abs=1e-12)
+            assert fast.ms(traffic, 8192, r.scheme) == pytest.approx(want, rel=1e-12, abs=1e-12)

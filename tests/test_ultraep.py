@@ -36,8 +36,8 @@ def rank_loads_and_foreign(plan, D, E):
     return load, foreign
 
 
-def milp_opt(load_E, D, R, time_limit=20):
-    """Exact integer min-max rank load: binary x[e, d] for a replica of e on non-owner d (at most R
+def milp_opt(load_E, D, S, time_limit=20):
+    """Exact integer min-max rank load: binary x[e, d] for a replica of e on non-owner d (at most S
     per rank), integer tokens f[e, d] <= load_e * x[e, d], expert tokens conserved."""
     import pulp
 
@@ -55,26 +55,26 @@ def milp_opt(load_E, D, R, time_limit=20):
     rank_terms = [[] for _ in range(D)]
     slot_terms = [[] for _ in range(D)]
     for e in range(E):
-        L = int(load_E[e])
-        if L == 0:
+        load_e = int(load_E[e])
+        if load_e == 0:
             continue
         fs = []
         for d in range(D):
-            if d != own[e] and R == 0:
+            if d != own[e] and S == 0:
                 continue
-            f = var(f"f_{e}_{d}", 0, L, "Integer")
+            f = var(f"f_{e}_{d}", 0, load_e, "Integer")
             fs.append(f)
             rank_terms[d].append(f)
             if d != own[e]:
                 x = var(f"x_{e}_{d}", cat="Binary")
-                prob += f <= L * x
+                prob += f <= load_e * x
                 slot_terms[d].append(x)
-        prob += pulp.lpSum(fs) == L
+        prob += pulp.lpSum(fs) == load_e
     for d in range(D):
         if rank_terms[d]:
             prob += pulp.lpSum(rank_terms[d]) <= T
         if slot_terms[d]:
-            prob += pulp.lpSum(slot_terms[d]) <= R
+            prob += pulp.lpSum(slot_terms[d]) <= S
     status = prob.solve(pulp.HiGHS(msg=False, timeLimit=time_limit))
     assert pulp.LpStatus[status] == "Optimal"
     return round(pulp.value(T))
@@ -97,12 +97,12 @@ def realistic_cases():
     return out
 
 
-@pytest.mark.parametrize("case", realistic_cases(), ids=lambda c: f"D{c[0]}-E{c[1]}-R{c[2]}-{c[3]}")
+@pytest.mark.parametrize("case", realistic_cases(), ids=lambda c: f"D{c[0]}-E{c[1]}-S{c[2]}-{c[3]}")
 def test_within_one_percent_of_milp_optimum(case):
-    D, E, R, _, counts = case
-    plan, _ = make_planner("ultraep", PlannerConfig(D, E, min(2, D), R)).plan(counts)
+    D, E, S, _, counts = case
+    plan, _ = make_planner("ultraep", PlannerConfig(D, E, min(2, D), S)).plan(counts)
     load, _ = rank_loads_and_foreign(plan, D, E)
-    opt = milp_opt(counts.sum(axis=0), D, R)
+    opt = milp_opt(counts.sum(axis=0), D, S)
     assert load.max() <= opt * 1.01 + 1
 
 
@@ -112,7 +112,7 @@ def single_owner_problems(draw):
     G = draw(st.sampled_from([1, 2, 4]))
     D = G * draw(st.integers(1, 6))
     E = draw(st.integers(1, D))
-    R = draw(st.integers(1, 2))
+    S = draw(st.integers(1, 2))
     rng = np.random.default_rng(draw(st.integers(0, 2**31)))
     kind = draw(st.sampled_from(["random", "pareto", "one", "sparse"]))
     if kind == "random":
@@ -124,7 +124,7 @@ def single_owner_problems(draw):
         counts[:, draw(st.integers(0, E - 1))] = rng.integers(0, 500, size=D)
     else:
         counts = rng.integers(0, 60, size=(D, E)) * (rng.random((D, E)) < 0.2)
-    return PlannerConfig(D, E, G, R), np.asarray(counts, dtype=np.int64)
+    return PlannerConfig(D, E, G, S), np.asarray(counts, dtype=np.int64)
 
 
 @SETTINGS
@@ -187,11 +187,11 @@ def test_fallback_searches_threshold():
     D, E = 2, 6
     counts = np.zeros((D, E), dtype=np.int64)
     counts[0] = [0, 0, 0, 200, 200, 200]
-    for R, want in ((1, 400), (2, 300)):
-        plan, _ = make_planner("ultraep", PlannerConfig(D, E, 1, R)).plan(counts)
+    for S, want in ((1, 400), (2, 300)):
+        plan, _ = make_planner("ultraep", PlannerConfig(D, E, 1, S)).plan(counts)
         load, foreign = rank_loads_and_foreign(plan, D, E)
         assert plan.info["method"] == "chain" and plan.info["mean_bound"] == 300
-        assert load.max() == want == milp_opt(counts.sum(axis=0), D, R) and foreign.max() <= R
+        assert load.max() == want == milp_opt(counts.sum(axis=0), D, S) and foreign.max() <= S
 
 
 @SETTINGS
@@ -225,18 +225,18 @@ def test_loop_and_numpy_cascades_agree(seed, G, n_nodes, per_rank, kind):
             assert a[0] == b[0].tolist() and a[1] == b[1].tolist()
 
 
-@pytest.mark.parametrize("D,E,R,tol", [(8, 16, 1, 0.0), (8, 16, 2, 0.5), (16, 8, 1, 1.0), (4, 6, 0, 0.0)])
-def test_stock_plans_equal_the_validated_stock_plan(D, E, R, tol):
+@pytest.mark.parametrize("D,E,S,tol", [(8, 16, 1, 0.0), (8, 16, 2, 0.5), (16, 8, 1, 1.0), (4, 6, 0, 0.0)])
+def test_stock_plans_equal_the_validated_stock_plan(D, E, S, tol):
     # uniform counts (stock is optimal), and skewed counts within a large tolerance or without slots
     from megatron_rails.core.plan import Placement, Plan
 
-    rng = np.random.default_rng(D * E + R)
-    cfg = PlannerConfig(D, E, 4, R, tolerance=tol)
+    rng = np.random.default_rng(D * E + S)
+    cfg = PlannerConfig(D, E, 4, S, tolerance=tol)
     for counts in (np.full((D, E), 3, dtype=np.int64), rng.integers(0, 9, size=(D, E))):
         plan, _ = make_planner("ultraep", cfg).plan(counts)
         if plan.info["method"] != "stock":
             continue
-        ref = Plan.from_quotas(Placement.owner_from_pairs(E, D, cfg.ranks_per_node, R, (), ()), counts,
+        ref = Plan.from_quotas(Placement.owner_from_pairs(E, D, cfg.ranks_per_node, S, (), ()), counts,
                                counts.sum(axis=0), policy="ultraep")
         assert plan.digest() == ref.digest()
         assert rank_loads_and_foreign(plan, D, E)[1].sum() == 0 and plan.weight_moves == 0  # checks exports == 0

@@ -229,10 +229,10 @@ def plackett_luce_inclusion(p_E, k, first=None):
 def test_sampler_matches_plackett_luce(monkeypatch, rounds):
     monkeypatch.setattr(wl, "_REJECT_ROUNDS", rounds)
     p = np.array([0.5, math.pi / 20, 0.05, 0.17, math.e / 30, 0.0, 0.01])  # zero weight: never picked
-    D, T, K = 16, 1 << 15, 3
-    c = sample_topk_counts(np.random.default_rng(7), p, K, D, T)
+    D, T, topk = 16, 1 << 15, 3
+    c = sample_topk_counts(np.random.default_rng(7), p, topk, D, T)
     freq = c.sum(axis=0) / (D * T)
-    want = plackett_luce_inclusion(p, K)
+    want = plackett_luce_inclusion(p, topk)
     tol = 6 * np.sqrt(want * (1 - want) / (D * T)) + 1e-12
     assert np.all(np.abs(freq - want) <= tol), (freq, want)
     assert c[:, 5].sum() == 0
@@ -240,16 +240,16 @@ def test_sampler_matches_plackett_luce(monkeypatch, rounds):
 
 def test_sampler_forced_first_choice_matches():
     p = np.array([0.4, 0.3, 0.2, 0.1, 0.05])
-    D, T, K, hot, F = 16, 1 << 15, 2, 3, 0.6
-    c = sample_topk_counts(np.random.default_rng(3), p, K, D, T, hot=hot, hot_frac=F)
-    want = F * plackett_luce_inclusion(p, K, first=hot) + (1 - F) * plackett_luce_inclusion(p, K)
+    D, T, topk, hot, frac = 16, 1 << 15, 2, 3, 0.6
+    c = sample_topk_counts(np.random.default_rng(3), p, topk, D, T, hot=hot, hot_frac=frac)
+    want = frac * plackett_luce_inclusion(p, topk, first=hot) + (1 - frac) * plackett_luce_inclusion(p, topk)
     freq = c.sum(axis=0) / (D * T)
     assert np.all(np.abs(freq - want) <= 6 * np.sqrt(want * (1 - want) / (D * T)) + 1e-12), (freq, want)
 
 
 @pytest.mark.parametrize("q", [None, 0, 3])
 def test_lookup_tables_are_exact(q):
-    # 5000 experts: most of the 2^16 slots of a table straddle two experts and take the exact slow path
+    # 5000 experts: most of the 2^16 cells of a table straddle two experts and take the exact slow path
     p = np.sort(1.0 + np.arange(5000) % 7)[::-1] / (4 * 5000)
     dist = wl._Dist(p, 4)
     N = 1 << 21

@@ -85,12 +85,12 @@ def bench_planners(out: str, quick: bool = False, plot: str | None = None, lp_in
 
     with _progress() as prog:
         task = prog.add_task("planner grid", total=len(points) * len(POLICIES))
-        for D, E, R, skew in points:
+        for D, E, S, skew in points:
             counts = _counts(D, E, skew)
-            cfg = PlannerConfig(D, E, min(RANKS_PER_NODE, D), R)
+            cfg = PlannerConfig(D, E, min(RANKS_PER_NODE, D), S)
             for policy in POLICIES:
-                prog.update(task, description=f"EP{D} E{E} R{R} {skew:9s} {policy:8s}")
-                base = {"policy": policy, "ranks": D, "experts": E, "slots": R, "skew": skew}
+                prog.update(task, description=f"EP{D} E{E} S{S} {skew:9s} {policy:8s}")
+                base = {"policy": policy, "ranks": D, "experts": E, "slots": S, "skew": skew}
                 try:
                     row = measure(policy, cfg, counts, bounds=bounds, min_reps=reps, budget_s=budget)
                     row["skew"] = skew
@@ -125,26 +125,26 @@ def plot_planners(result: dict, png: str) -> None:
         return
     D0 = 64 if any(r["ranks"] == 64 for r in rows) else max(r["ranks"] for r in rows)
     E0 = max(r["experts"] for r in rows)
-    R0 = max(r["slots"] for r in rows)
+    S0 = max(r["slots"] for r in rows)
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
     skews = list(dict.fromkeys(r["skew"] for r in rows))
     x = np.arange(len(skews))
-    sel = [r for r in rows if r["ranks"] == D0 and r["experts"] == E0 and r["slots"] == R0]
+    sel = [r for r in rows if r["ranks"] == D0 and r["experts"] == E0 and r["slots"] == S0]
     for k, pol in enumerate(POLICIES):
         ys = [next((r["max_over_mean_after"] for r in sel if r["policy"] == pol and r["skew"] == s), np.nan)
               for s in skews]
         ax1.bar(x + (k - 2) * 0.15, ys, width=0.15, label=pol)
     bound = [next((r["lower_bound_max_over_mean"] for r in sel if r["policy"] == "ultraep" and r["skew"] == s),
                   np.nan) for s in skews]
-    ax1.plot(x, bound, "k_", markersize=30, mew=2, label="LP bound (owner + R slots)")
+    ax1.plot(x, bound, "k_", markersize=30, mew=2, label="LP bound (owner + S redundant slots)")
     ax1.set_xticks(x, skews)
     ax1.set_yscale("log")
     ax1.set_ylabel("max / mean tokens per rank")
-    ax1.set_title(f"balance after planning, EP{D0} E{E0} R{R0}")
+    ax1.set_title(f"balance after planning, EP{D0} E{E0} S{S0}")
     ax1.legend(fontsize=8)
     for pol in POLICIES:
         pts = sorted({(r["ranks"], r["plan_us_p50"]) for r in rows
-                      if r["policy"] == pol and r["experts"] == E0 and r["slots"] == R0
+                      if r["policy"] == pol and r["experts"] == E0 and r["slots"] == S0
                       and r["skew"] == skews[-1]})
         if pts:
             ax2.plot(*zip(*pts), marker="o", label=pol)
@@ -154,7 +154,7 @@ def plot_planners(result: dict, png: str) -> None:
     ax2.set_yscale("log")
     ax2.set_xlabel("expert-parallel ranks")
     ax2.set_ylabel("plan latency p50 (us, one core)")
-    ax2.set_title(f"planner latency, E{E0} R{R0} {skews[-1]}")
+    ax2.set_title(f"planner latency, E{E0} S{S0} {skews[-1]}")
     ax2.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(png, dpi=110)
@@ -168,9 +168,9 @@ def planner_demo(json_out: bool = False) -> int:
              ("DeepSeek-like EP64 E256 top-8, zipf 1.2", 64, 256, 2, "zipf:1.2")]
     bounds = BoundCache({})
     out = []
-    for title, D, E, R, skew in cases:
+    for title, D, E, S, skew in cases:
         counts = _counts(D, E, skew)
-        cfg = PlannerConfig(D, E, min(RANKS_PER_NODE, D), R)
+        cfg = PlannerConfig(D, E, min(RANKS_PER_NODE, D), S)
         rows = []
         for policy in POLICIES:
             try:

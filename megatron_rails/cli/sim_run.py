@@ -30,7 +30,7 @@ def register_run(subparsers) -> None:
                    help="scale: rescale each trace row to the config's tokens per rank (default); raw: as recorded")
     p.add_argument("--seed", type=_int_at_least("--seed", 0), default=0, help="workload seed")
     p.add_argument("--slots", type=_int_at_least("--slots", 0),
-                   help="R for every policy (default: the config's balancer)")
+                   help="redundant slots per rank for every policy (default: the config's balancer)")
     p.add_argument("--mfu", type=float, default=0.5, help="GEMM efficiency: achieved / peak gpu_tflops (default 0.5)")
     p.add_argument("--overlap", choices=OVERLAPS, default="none",
                    help="none: everything in sequence (default); weights: weight movement hidden behind dense compute")

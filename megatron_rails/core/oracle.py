@@ -8,7 +8,9 @@
 - `time_vs_oracle`: speed and agreement of the max-flow solver (planners/flow.py) against `lp_min_max`
   on `random_instance`s (EP64 x E256, 2 redundant slots by default).
 
-Legend: D ranks, E experts, R replicas, A experts with tokens.
+Legend: D ranks, E experts, R replicas, S slots per rank, T a max rank load (tokens). In the slot-budget
+LP (`_slot_highs`, `_slot_lp`, `_slot_lp_merged`, `_mean_is_feasible`) E is restricted to the experts
+with tokens (`act` in `slot_budget_lower_bound`).
 """
 from __future__ import annotations
 
@@ -57,9 +59,9 @@ def _quota_lp(load_E, placement: Placement, t_fixed: int | None = None):
     T = _var(prob, "T", 0) if t_fixed is None else t_fixed
     prob += pulp.lpSum([T]) if t_fixed is None else pulp.lpSum([])
     ptr = p.expert_ptr.tolist()
-    for e, L in enumerate(load.tolist()):
+    for e, load_e in enumerate(load.tolist()):
         if ptr[e + 1] > ptr[e]:
-            prob += pulp.lpSum(f[ptr[e]:ptr[e + 1]]) == L, f"expert{e}"
+            prob += pulp.lpSum(f[ptr[e]:ptr[e + 1]]) == load_e, f"expert{e}"
     by_rank: list[list] = [[] for _ in range(D)]
     for r, d in enumerate(p.replica_rank_R.tolist()):
         by_rank[d].append(f[r])
@@ -111,9 +113,10 @@ def slot_budget_lower_bound(load_E, num_ranks: int, slots: int, ranks_per_node: 
     x is eliminated; the model is solved in y = f / load_e. ranks_per_node does not enter (the bound
     ignores locality); it is only validated. Divide by total/D for a max/mean bound.
 
-    method="full" solves that LP whole (A*D columns; minutes at 256 x 1024); "auto" returns the same
-    optimum faster: closed forms (sharded; no slot), a constructive proof that the mean is attained, else
-    the LP with the ranks that own nothing merged (exact by symmetry, see `_slot_lp_merged`).
+    method="full" solves that LP whole (E*D columns, E the experts with tokens; minutes at 256 x 1024);
+    "auto" returns the same optimum faster: closed forms (sharded; no slot), a constructive proof that
+    the mean is attained, else the LP with the ranks that own nothing merged (exact by symmetry, see
+    `_slot_lp_merged`).
     """
     load = np.asarray(load_E, dtype=np.int64)
     D, S = int(num_ranks), int(slots)
@@ -134,53 +137,55 @@ def slot_budget_lower_bound(load_E, num_ranks: int, slots: int, ranks_per_node: 
     act = np.flatnonzero(load)
     if layout == SHARDED and act.size > D * S:
         raise PlanError(f"{act.size} experts with tokens cannot fit {D} ranks x {S} slots")
-    c_A = load[act] * D / total
+    c_E = load[act] * D / total
     if method == "full":
-        t = _slot_lp(c_A, owner[act], D, S, layout == SHARDED)
+        t = _slot_lp(c_E, owner[act], D, S, layout == SHARDED)
     elif layout == SHARDED:
         # Every load row sums to T >= mean (= 1 here), and y[a, d] = 1/D meets every row: expert rows
-        # sum to 1, load rows to sum_a c_a / D = 1, slot rows to A/D <= S (checked above). So T* = 1.
+        # sum to 1, load rows to sum_a c_a / D = 1, slot rows to E/D <= S (E: the experts with tokens;
+        # checked above). So T* = 1.
         t = 1.0
     elif S == 0:
         # no redundant slot: every non-owner y is 0, so every expert stays home
-        t = float(np.bincount(owner[act], weights=c_A, minlength=D).max())
-    elif _mean_is_feasible(c_A, owner[act], D, S):
+        t = float(np.bincount(owner[act], weights=c_E, minlength=D).max())
+    elif _mean_is_feasible(c_E, owner[act], D, S):
         t = 1.0  # the mean is a lower bound (sum of the load rows) and is attained
     else:
-        t = _slot_lp_merged(c_A, owner[act], D, S)
+        t = _slot_lp_merged(c_E, owner[act], D, S)
     return t * total / D
 
 
-def _slot_highs(c_A, owner_A, m_D, D: int, S: int, sharded: bool):
+def _slot_highs(c_E, owner_E, m_D, D: int, S: int, sharded: bool):
     """HiGHS model with T (column 0) and y[a, d] in [0, 1] for every a, d (column 1 + a*D + d), loads
-    in units of the mean (c_A float64 [A]); rank d stands for m_D[d] identical ranks (int64 [D]).
-    Rows: A expert rows sum_d m_d y[a, d] = 1; D load rows sum_a c_a y[a, d] - T <= 0; D slot rows
-    sum of slot-consuming y[., d] <= S (all pairs if sharded, else pairs where d is not the owner)."""
+    in units of the mean (c_E float64 [E], only the experts with tokens); rank d stands for m_D[d]
+    identical ranks (int64 [D]). Rows: E expert rows sum_d m_d y[a, d] = 1; D load rows
+    sum_a c_a y[a, d] - T <= 0; D slot rows sum of slot-consuming y[., d] <= S (all pairs if sharded,
+    else pairs where d is not the owner)."""
     import highspy
 
-    A = c_A.size
-    n = A * D
-    a_N, d_N = np.divmod(np.arange(n), D)
-    uses_slot = np.ones(n, dtype=bool) if sharded else d_N != owner_A[a_N]
+    E = c_E.size
+    n = E * D
+    a_col, d_col = np.divmod(np.arange(n), D)
+    uses_slot = np.ones(n, dtype=bool) if sharded else d_col != owner_E[a_col]
     start = np.zeros(n + 2, dtype=np.int64)
     start[1] = D  # T: -1 in every load row
     np.cumsum(2 + uses_slot, out=start[2:])
     start[2:] += D
     index = np.empty(int(start[-1]), dtype=np.int32)
     value = np.empty(int(start[-1]), dtype=np.float64)
-    index[:D], value[:D] = A + np.arange(D), -1.0
+    index[:D], value[:D] = E + np.arange(D), -1.0
     s = start[1:-1]
-    index[s], value[s] = a_N, m_D[d_N]
-    index[s + 1], value[s + 1] = A + d_N, c_A[a_N]
-    index[s[uses_slot] + 2], value[s[uses_slot] + 2] = A + D + d_N[uses_slot], 1.0
+    index[s], value[s] = a_col, m_D[d_col]
+    index[s + 1], value[s + 1] = E + d_col, c_E[a_col]
+    index[s[uses_slot] + 2], value[s[uses_slot] + 2] = E + D + d_col[uses_slot], 1.0
 
     lp = highspy.HighsLp()
-    lp.num_col_, lp.num_row_ = n + 1, A + 2 * D
+    lp.num_col_, lp.num_row_ = n + 1, E + 2 * D
     lp.col_cost_ = np.r_[1.0, np.zeros(n)]
     lp.col_lower_ = np.zeros(n + 1)
     lp.col_upper_ = np.r_[highspy.kHighsInf, np.ones(n)]
-    lp.row_lower_ = np.r_[np.ones(A), np.full(2 * D, -highspy.kHighsInf)]
-    lp.row_upper_ = np.r_[np.ones(A), np.zeros(D), np.full(D, float(S))]
+    lp.row_lower_ = np.r_[np.ones(E), np.full(2 * D, -highspy.kHighsInf)]
+    lp.row_upper_ = np.r_[np.ones(E), np.zeros(D), np.full(D, float(S))]
     lp.a_matrix_.format_ = highspy.MatrixFormat.kColwise
     lp.a_matrix_.start_ = start.astype(np.int32)
     lp.a_matrix_.index_ = index
@@ -195,42 +200,42 @@ def _slot_highs(c_A, owner_A, m_D, D: int, S: int, sharded: bool):
     return float(h.getInfo().objective_function_value)
 
 
-def _slot_lp(c_A: np.ndarray, owner_A: np.ndarray, D: int, S: int, sharded: bool) -> float:
-    """The definition: the whole LP, A*D + 1 columns."""
-    return _slot_highs(c_A, owner_A, np.ones(D, dtype=np.int64), D, S, sharded)
+def _slot_lp(c_E: np.ndarray, owner_E: np.ndarray, D: int, S: int, sharded: bool) -> float:
+    """The definition: the whole LP, E*D + 1 columns."""
+    return _slot_highs(c_E, owner_E, np.ones(D, dtype=np.int64), D, S, sharded)
 
 
-def _slot_lp_merged(c_A: np.ndarray, owner_A: np.ndarray, D: int, S: int) -> float:
+def _slot_lp_merged(c_E: np.ndarray, owner_E: np.ndarray, D: int, S: int) -> float:
     """The owner-layout LP with all ranks that own no expert with tokens merged into one. Those ranks
     have identical rows, so permuting them maps solutions to solutions, and averaging a solution over
     the permutations keeps it feasible (the rows are linear) with the same T: some optimum gives them
     all the same y, which is what the merged rank (multiplicity m in the expert rows) models. Same
-    optimum, at most min(A, D) + 1 ranks: 257 instead of 1024 columns per expert at E=256, D=1024."""
-    hosts, owner_g = np.unique(owner_A, return_inverse=True)
+    optimum, at most min(E, D) + 1 ranks: 257 instead of 1024 columns per expert at E=256, D=1024."""
+    hosts, owner_g = np.unique(owner_E, return_inverse=True)
     m = D - hosts.size
     if m == 0:
-        return _slot_lp(c_A, owner_A, D, S, False)
-    m_G = np.r_[np.ones(hosts.size, dtype=np.int64), m]
-    return _slot_highs(c_A, owner_g.astype(np.int64), m_G, hosts.size + 1, S, False)
+        return _slot_lp(c_E, owner_E, D, S, False)
+    m_D = np.r_[np.ones(hosts.size, dtype=np.int64), m]
+    return _slot_highs(c_E, owner_g.astype(np.int64), m_D, hosts.size + 1, S, False)
 
 
-def _mean_is_feasible(c_A: np.ndarray, owner_A: np.ndarray, D: int, S: int) -> bool:
-    """Try to build a feasible point of the owner-layout LP at T = 1 (the mean, loads c_A in units of
+def _mean_is_feasible(c_E: np.ndarray, owner_E: np.ndarray, D: int, S: int) -> bool:
+    """Try to build a feasible point of the owner-layout LP at T = 1 (the mean, loads c_E in units of
     the mean): overloaded ranks export their excess from their heaviest experts first (fewest slots
     per token), underloaded ranks take it, either as the same mixture of every exported piece or
     matched heaviest piece to largest gap. Exporting a piece of size tau of expert a costs tau / c_a
     slots at the receiver. True only if one of the two fits every receiver's S slots."""
-    W = np.bincount(owner_A, weights=c_A, minlength=D)
-    need_D = np.maximum(W - 1.0, 0.0)
-    order = np.lexsort((-c_A, owner_A))
-    c, o = c_A[order], owner_A[order]
+    own_D = np.bincount(owner_E, weights=c_E, minlength=D)
+    need_D = np.maximum(own_D - 1.0, 0.0)
+    order = np.lexsort((-c_E, owner_E))
+    c, o = c_E[order], owner_E[order]
     before = np.cumsum(c) - c
     first = np.searchsorted(o, np.arange(D))
     before -= np.r_[before, 0.0][first][o]  # owned load ahead of the expert on its own rank
     piece = np.clip(need_D[o] - before, 0.0, c)
-    gap = np.sort(np.maximum(1.0 - W, 0.0))[::-1]
-    X, Y = piece.sum(), (piece / c).sum()
-    if X <= 0 or Y * gap[0] / X <= S * (1 - 1e-12):
+    gap = np.sort(np.maximum(1.0 - own_D, 0.0))[::-1]
+    tok_out, slots_out = piece.sum(), (piece / c).sum()
+    if tok_out <= 0 or slots_out * gap[0] / tok_out <= S * (1 - 1e-12):
         return True
     by_density = np.argsort(-c, kind="stable")
     tok = np.r_[0.0, np.cumsum(piece[by_density])]

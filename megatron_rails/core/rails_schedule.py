@@ -1,6 +1,6 @@
 """RailS spraying: split every node's outgoing inter-node traffic over all its rails, LPT-first.
 
-Shape legend:  D ranks (GPUs)   K chunks   N rails per node   P nodes
+Shape legend:  D ranks (GPUs)   G ranks per node   V nodes   J rails per node   U node pairs   K chunks
 
 `traffic_DD[s, d]` is what rank s sends rank d, in any integer unit (token rows for the real
 all-to-all, bytes for the simulator). A chunk is a contiguous piece of one (s, d) message routed
@@ -9,7 +9,7 @@ where fwd == s when s sits on that rail and land == d when d does. Intra-node me
 with rail -1 (NVLink only, fwd = land = d).
 
 Per ordered node pair (a, b) the pair's traffic is spread so that every rail carries floor or ceil of
-total/N: first each message keeps what fits on its natural rail (the rail of d, which is where a
+total/J: first each message keeps what fits on its natural rail (the rail of d, which is where a
 rail-matched all-to-all would send it, so no receiver-side forwarding), largest message first; then
 the overflow is sprayed longest piece first onto the rail with the most room left, split where a rail
 fills. Each pair is balanced on its own, so each node's sends are uniform over its rails and, by the
@@ -52,11 +52,11 @@ class RailSchedule:
         first = np.r_[True, msg[1:] != msg[:-1]] if msg.size else np.zeros(0, bool)
         csum = np.cumsum(units) - units
         off = csum - np.maximum.accumulate(np.where(first, csum, 0)) if msg.size else csum
-        T = np.asarray(traffic_DD, dtype=np.int64)
-        T.setflags(write=False)
+        traffic = np.asarray(traffic_DD, dtype=np.int64)
+        traffic.setflags(write=False)
         for a in (src, dst, rail, fwd, land, units, off):
             a.setflags(write=False)
-        return cls(topo, T, src, dst, rail, fwd, land, units, off)
+        return cls(topo, traffic, src, dst, rail, fwd, land, units, off)
 
     # -- derived figures -------------------------------------------------------------------------
     @property
@@ -86,60 +86,60 @@ def rails_schedule(traffic_DD, topo: Topology) -> RailSchedule:
     """The RailS LPT spraying schedule for `traffic_DD` (int [D, D]) on `topo` (sized to D ranks).
 
     Vectorized over all node pairs at once; the rule is the one in the module docstring, stated per
-    pair (a, b) with M messages (i, j, u) (local source, local destination, units):
-      1. rail capacities: base = total // N on every rail, +1 on the `total % N` rails ranked first by
-         (most natural load, then (r - a - b) mod N);
+    pair (a, b) with its messages (i, j, u) (local source, local destination, units):
+      1. rail capacities: base = total // J on every rail, +1 on the `total % J` rails ranked first by
+         (most natural load, then (r - a - b) mod J);
       2. natural pass, messages in LPT order (-u, i, j): each keeps min(u, room left on rail(j));
       3. spray pass, leftovers in order (-left, i, j): repeatedly onto the rail with the most room
          (lowest index on ties), taking min(left, room).
     A message's chunks are emitted natural piece first, then its sprayed pieces in spray order.
     """
-    T = np.asarray(traffic_DD)
-    if T.ndim != 2 or T.shape[0] != T.shape[1]:
-        raise ValueError(f"traffic_DD must be square [D, D], got shape {T.shape}")
-    if T.size and (T.dtype.kind not in "iu" or T.min() < 0):
+    traffic = np.asarray(traffic_DD)
+    if traffic.ndim != 2 or traffic.shape[0] != traffic.shape[1]:
+        raise ValueError(f"traffic_DD must be square [D, D], got shape {traffic.shape}")
+    if traffic.size and (traffic.dtype.kind not in "iu" or traffic.min() < 0):
         raise ValueError("traffic_DD must hold non-negative integers")
-    D = T.shape[0]
+    D = traffic.shape[0]
     topo = topo.for_world(D)
-    G, N, gpr, P = topo.gpus_per_node, topo.rails_per_node, topo.gpus_per_rail, topo.nodes
-    T = T.astype(np.int64)
-    s, d = np.nonzero(T)  # row-major: messages in (src, dst) order
-    u = T[s, d]
+    G, J, gpr, V = topo.gpus_per_node, topo.rails_per_node, topo.gpus_per_rail, topo.nodes
+    traffic = traffic.astype(np.int64)
+    s, d = np.nonzero(traffic)  # row-major: messages in (src, dst) order
+    u = traffic[s, d]
     a, b = s // G, d // G
     intra = a == b
     parts = [(s[intra], d[intra], np.full(int(intra.sum()), -1, np.int64), d[intra], d[intra], u[intra],
               np.full(int(intra.sum()), -1, np.int64))]
     m = ~intra
     if m.any():
-        parts += _spray(s[m], d[m], u[m], a[m] * P + b[m], G, N, gpr, P)
+        parts += _spray(s[m], d[m], u[m], a[m] * V + b[m], G, J, gpr, V)
     src, dst, rail, fwd, land, units, piece = (np.concatenate(c) for c in zip(*parts))
     # emission order within each message, as from_chunks expects
     order = np.argsort((src * D + dst) * (piece.max(initial=-1) + 2) + piece + 1, kind="stable")
-    return RailSchedule.from_chunks(topo, T, src[order], dst[order], rail[order], fwd[order], land[order],
-                                    units[order])
+    return RailSchedule.from_chunks(topo, traffic, src[order], dst[order], rail[order], fwd[order],
+                                    land[order], units[order])
 
 
 def rail_imbalance(traffic_DD, topo: Topology) -> float:
     """How unevenly the rail-matched direct all-to-all (every inter-node message whole on its
     destination's rail, as NCCL's PXN routes it) loads the rails: its busiest (node, rail, direction)
-    over the even spread, max over nodes and directions of ceil(node's inter-node units / N). 1.0
+    over the even spread, max over nodes and directions of ceil(node's inter-node units / J). 1.0
     when nothing crosses nodes. Spraying can at best bring it to 1, so it bounds what RailS can gain."""
-    T = np.asarray(traffic_DD, dtype=np.int64)
-    D = T.shape[0]
+    traffic = np.asarray(traffic_DD, dtype=np.int64)
+    D = traffic.shape[0]
     topo = topo.for_world(D)
-    G, N, P = topo.gpus_per_node, topo.rails_per_node, topo.nodes
-    if P == 1:
+    G, J, V = topo.gpus_per_node, topo.rails_per_node, topo.nodes
+    if V == 1:
         return 1.0
     node = topo.node_of(np.arange(D))
-    cross = np.where(node[:, None] != node[None, :], T, 0)       # inter-node units only
+    cross = np.where(node[:, None] != node[None, :], traffic, 0)  # inter-node units only
     # destination GPU d = node * G + rail * gpus_per_rail + i: sum over senders' GPUs or receivers
-    by_PPNi = cross.reshape(P, G, P, N, topo.gpus_per_rail)     # (src node, src GPU, dst node, rail, i)
-    egress_PN = by_PPNi.sum(axis=(1, 2, 4))                       # node a's sends on each rail
-    ingress_PN = by_PPNi.sum(axis=(0, 1, 4))                      # node b's receives on each rail
-    busiest = max(int(egress_PN.max()), int(ingress_PN.max()))
+    by_VGVJi = cross.reshape(V, G, V, J, topo.gpus_per_rail)  # (src node, src GPU, dst node, rail, i in rail)
+    egress_VJ = by_VGVJi.sum(axis=(1, 2, 4))                    # node a's sends on each rail
+    ingress_VJ = by_VGVJi.sum(axis=(0, 1, 4))                   # node b's receives on each rail
+    busiest = max(int(egress_VJ.max()), int(ingress_VJ.max()))
     if busiest == 0:
         return 1.0
-    even = max(-(-int(egress_PN.sum(axis=1).max()) // N), -(-int(ingress_PN.sum(axis=1).max()) // N))
+    even = max(-(-int(egress_VJ.sum(axis=1).max()) // J), -(-int(ingress_VJ.sum(axis=1).max()) // J))
     return busiest / even
 
 
@@ -161,29 +161,29 @@ def _sum_by(key, vals, n) -> np.ndarray:
     return out
 
 
-def _spray(s, d, u, pair, G, N, gpr, P) -> list[tuple]:
-    """Chunks of the inter-node messages (s, d, u) of node pairs `pair` = a * P + b (see rails_schedule)."""
+def _spray(s, d, u, pair, G, J, gpr, V) -> list[tuple]:
+    """Chunks of the inter-node messages (s, d, u) of node pairs `pair` = a * V + b (see rails_schedule)."""
     nat = (d % G) // gpr
     up, row = np.unique(pair, return_inverse=True)  # pairs with traffic
     U = up.size
-    load_UN = _sum_by(row * N + nat, u, U * N).reshape(U, N)
-    total = load_UN.sum(axis=1)
-    base, rem = np.divmod(total, N)
-    rot_UN = (np.arange(N)[None, :] - (up // P)[:, None] - (up % P)[:, None]) % N
-    order_UN = np.argsort(_key(-load_UN, rot_UN, N), axis=1)  # most natural load first, then rotation
-    rank_UN = np.empty_like(order_UN)  # position of each rail in the +1 order of its pair
-    np.put_along_axis(rank_UN, order_UN, np.arange(N)[None, :], axis=1)
-    cap_UN = base[:, None] + (rank_UN < rem[:, None])
+    load_UJ = _sum_by(row * J + nat, u, U * J).reshape(U, J)
+    total = load_UJ.sum(axis=1)
+    base, rem = np.divmod(total, J)
+    rot_UJ = (np.arange(J)[None, :] - (up // V)[:, None] - (up % V)[:, None]) % J
+    order_UJ = np.argsort(_key(-load_UJ, rot_UJ, J), axis=1)  # most natural load first, then rotation
+    rank_UJ = np.empty_like(order_UJ)  # position of each rail in the +1 order of its pair
+    np.put_along_axis(rank_UJ, order_UJ, np.arange(J)[None, :], axis=1)
+    cap_UJ = base[:, None] + (rank_UJ < rem[:, None])
 
     # natural pass: per (pair, rail), messages in LPT order keep what fits
-    o = np.argsort(_key(row * N + nat, -u), kind="stable")  # messages come in (i, j) order within a pair
-    g = row[o] * N + nat[o]
+    o = np.argsort(_key(row * J + nat, -u), kind="stable")  # messages come in (i, j) order within a pair
+    g = row[o] * J + nat[o]
     cs = np.cumsum(u[o])
     first = np.r_[True, g[1:] != g[:-1]]
     before = cs - u[o] - np.maximum.accumulate(np.where(first, cs - u[o], 0))
     take = np.empty_like(u)
-    take[o] = np.clip(cap_UN.ravel()[g] - before, 0, u[o])
-    room_UN = cap_UN - np.minimum(cap_UN, load_UN)
+    take[o] = np.clip(cap_UJ.ravel()[g] - before, 0, u[o])
+    room_UJ = cap_UJ - np.minimum(cap_UJ, load_UJ)
     out = []
     k = take > 0
     out.append(_chunks(s[k], d[k], nat[k], take[k], np.full(int(k.sum()), -1, np.int64), G, gpr))
@@ -203,11 +203,11 @@ def _spray(s, d, u, pair, G, N, gpr, P) -> list[tuple]:
         sel = k[by_pos[bounds[step]:bounds[step + 1]]]
         rr, rest, piece = row[sel], left[sel].copy(), 0
         while sel.size:
-            room = room_UN[rr]
+            room = room_UJ[rr]
             r = room.argmax(axis=1)  # most room; argmax keeps the lowest index on ties
             got = np.minimum(rest, room[np.arange(rr.size), r])
             assert np.all(got > 0), "spray ran out of room (capacities do not add up to the traffic)"
-            room_UN[rr, r] -= got
+            room_UJ[rr, r] -= got
             out.append(_chunks(s[sel], d[sel], r, got, np.full(sel.size, piece, np.int64), G, gpr))
             rest -= got
             keep = rest > 0

@@ -7,7 +7,8 @@ max(0, supply - quota), the minimum any route with these quotas can reach. Both 
 north-west-corner matching of two ordered streams with equal totals, so every expert's split has at
 most (sources + replicas) entries and the whole computation is a handful of vectorized passes.
 
-Legend: D ranks, E experts, R replicas, K experts split over two or more replicas.
+Legend: D ranks, E experts, R replicas, M route entries, G ranks per node; `multi`: the experts split over
+two or more replicas (n_multi of them).
 """
 from __future__ import annotations
 
@@ -25,19 +26,19 @@ def nw_corner(a: np.ndarray, b: np.ndarray):
     if A.size == 0 or A[-1] == 0:
         z = np.zeros(0, dtype=np.int64)
         return z, z, z
-    P = np.union1d(A, B)
-    P = P[P > 0]
-    amount = np.diff(P, prepend=0)
-    # segment (P[k-1], P[k]] lies in the first supply (demand) entry whose cumulative sum reaches P[k]
-    return np.searchsorted(A, P, "left"), np.searchsorted(B, P, "left"), amount
+    cuts = np.union1d(A, B)
+    cuts = cuts[cuts > 0]
+    amount = np.diff(cuts, prepend=0)
+    # segment (cuts[k-1], cuts[k]] lies in the first supply (demand) entry whose cumulative sum reaches cuts[k]
+    return np.searchsorted(A, cuts, "left"), np.searchsorted(B, cuts, "left"), amount
 
 
-def _local_part(x: np.ndarray, group: np.ndarray, cap_G: np.ndarray) -> np.ndarray:
+def _local_part(x: np.ndarray, group: np.ndarray, cap_groups: np.ndarray) -> np.ndarray:
     """Per element, the share of x that fits under its group's cap when filled in order."""
     before = np.cumsum(x) - x
-    group_start = np.cumsum(np.bincount(group, weights=x, minlength=cap_G.size).astype(np.int64))
+    group_start = np.cumsum(np.bincount(group, weights=x, minlength=cap_groups.size).astype(np.int64))
     group_start = np.r_[0, group_start[:-1]]
-    return np.clip(cap_G[group] - (before - group_start[group]), 0, x)
+    return np.clip(cap_groups[group] - (before - group_start[group]), 0, x)
 
 
 def split_by_quota(counts_DE: np.ndarray, placement, quota_R) -> tuple[np.ndarray, ...]:
@@ -75,18 +76,18 @@ def split_by_quota(counts_DE: np.ndarray, placement, quota_R) -> tuple[np.ndarra
     if multi.size:
         G = p.ranks_per_node
         n_nodes = D // G
-        K = multi.size
+        n_multi = multi.size
         # supply stream ordered by (expert, source rank); demand by (expert, replica rank)
         a = np.ascontiguousarray(counts_DE[:, multi].T).ravel()
-        a_src = np.tile(np.arange(D, dtype=np.int64), K)
-        a_grp = np.repeat(np.arange(K, dtype=np.int64), D) * n_nodes + a_src // G
+        a_src = np.tile(np.arange(D, dtype=np.int64), n_multi)
+        a_grp = np.repeat(np.arange(n_multi, dtype=np.int64), D) * n_nodes + a_src // G
         dem = pos[n_pos_E[p.replica_expert_R[pos]] >= 2]
         b = quota[dem]
-        k_of_E = np.full(E, -1, dtype=np.int64)
-        k_of_E[multi] = np.arange(K)
-        b_grp = k_of_E[p.replica_expert_R[dem]] * n_nodes + p.replica_rank_R[dem] // G
-        cap = np.minimum(np.bincount(a_grp, weights=a, minlength=K * n_nodes),
-                         np.bincount(b_grp, weights=b, minlength=K * n_nodes)).astype(np.int64)
+        multi_idx_E = np.full(E, -1, dtype=np.int64)
+        multi_idx_E[multi] = np.arange(n_multi)
+        b_grp = multi_idx_E[p.replica_expert_R[dem]] * n_nodes + p.replica_rank_R[dem] // G
+        cap = np.minimum(np.bincount(a_grp, weights=a, minlength=n_multi * n_nodes),
+                         np.bincount(b_grp, weights=b, minlength=n_multi * n_nodes)).astype(np.int64)
         a_loc, b_loc = _local_part(a, a_grp, cap), _local_part(b, b_grp, cap)
         for sa, sb in ((a_loc, b_loc), (a - a_loc, b - b_loc)):
             i, j, amt = nw_corner(sa, sb)

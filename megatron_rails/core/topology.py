@@ -1,6 +1,6 @@
-"""Rail-optimized cluster topology: nodes of G GPUs, N NICs per node, NIC i of every node on rail i.
+"""Rail-optimized cluster topology: nodes of G GPUs, J NICs per node, NIC i of every node on rail i.
 
-GPU g of a node attaches to NIC/rail `g * N // G` (G must be a multiple of N; a DGX has G = N = 8).
+GPU g of a node attaches to NIC/rail `g * J // G` (G must be a multiple of J; a DGX has G = J = 8).
 Bandwidths are per direction, in Gb/s for both NICs and NVLink so they compare directly
 (NVLink of an H100: 450 GB/s per direction = 3600 Gb/s). `latency_us` is the fixed cost of one
 message on one hop. `gpu_tflops` (dense bf16 throughput) is used by the iteration-time simulator.

@@ -1,17 +1,19 @@
 """Routing workloads: token-count matrices counts_DE, synthetic (uniform, zipf, drift, bursty, one) or recorded.
 
-Shape legend (suffixes on array names): D source ranks, E experts, K top-k choices per token, N tokens in
-one sampling chunk, M tokens being redrawn, J choices made so far, Q truncation points, S steps, L layers.
+Shape legend (suffixes on array names): D source ranks, E experts, T tokens per rank, N tokens in one
+sampling chunk (in `_Dist` and `_clash` also a subset of them: the tokens being redrawn), I steps, Y layers.
+Spelled out, without a letter: the top-k choices per token (topk), the choices made so far, the truncation
+points of the lookup tables (trunc) and the 2^16 cells of one table.
 
 counts_DE[d, e] (int64) is how many of rank d's T tokens picked expert e, top-k already expanded: every
-token picks K distinct experts, so a row sums to T*K and no entry exceeds T.
+token picks topk distinct experts, so a row sums to T*topk and no entry exceeds T.
 
 Sampling model: a skew gives routing weights p_E for one (step, layer), shared by all ranks (rows differ
-through their own tokens' draws). Every token picks K experts by sequential sampling without replacement
+through their own tokens' draws). Every token picks topk experts by sequential sampling without replacement
 from p_E (Plackett-Luce, what the Gumbel-top-k trick samples): first choice ~ p_E, each later one ~ p_E
 renormalized over the experts it has not picked. The sampler is exact per token (up to float64 rounding of
 the cumulative weights) and vectorized over tokens: experts are relabeled hottest first, each choice is
-drawn from p_E truncated below the token's smallest unpicked label (2^16-slot lookup tables), a repeated
+drawn from p_E truncated below the token's smallest unpicked label (2^16-cell lookup tables), a repeated
 choice is redrawn by rejection and, for the rare survivors, from the renormalized distribution directly.
 Random streams are seeded by (seed, step, layer, sha256 of the canonical skew), never the salted hash().
 """
@@ -33,9 +35,9 @@ SKEW_FORMS = "uniform | zipf:S | drift:S[:P] | bursty:S[:F[:R]] | one | file:PAT
 MAX_S = 10.0                        # zipf exponent cap; steeper tails vanish below float64 resolution
 DRIFT_PERIOD = 100                  # default P
 BURST_FRAC, BURST_RATE = 0.5, 0.25  # default F, R
-MIN_WEIGHT = 1e-12                  # the K-th largest routing weight must reach this (relative to the sum)
-_SLOTS = 1 << 16                    # lookup-table slots (16 random bits per draw)
-_MARK = 0xFFFF                      # table entry for a slot that straddles experts
+MIN_WEIGHT = 1e-12                  # the topk-th largest routing weight must reach this (relative to the sum)
+_CELLS = 1 << 16                    # lookup-table cells (16 random bits per draw)
+_MARK = 0xFFFF                      # table entry for a cell that straddles experts
 _CHUNK_TOKENS = 1 << 16             # tokens sampled together: big enough to amortize numpy calls, cache-sized
 _REJECT_ROUNDS = 4                  # rejection rounds for a repeated choice before the renormalized draw
 _TAG_PERM, _TAG_SAMPLE, _TAG_BURST = 0x5045524D, 0x53414D50, 0x42555253
@@ -74,7 +76,7 @@ def parse_skew(text: str) -> Skew:
     bursty:S[:F[:R]] zipf:S background (S = 0: uniform); a (step, layer) is a burst with probability R
                      (default 0.25): one random expert is then each token's first choice with probability F
                      (default 0.5).
-    one              every token's first choice is one expert (random per layer); its other K-1 choices are
+    one              every token's first choice is one expert (random per layer); its other topk-1 choices are
                      uniform over the remaining experts.
     file:PATH        replay a counts file (see load_counts and counts).
     """
@@ -159,68 +161,70 @@ class WorkloadSpec:
 # -- sampling -------------------------------------------------------------------------------------------------
 
 class _Dist:
-    """Draws from weights p_E sorted hottest first, truncated to labels >= q (q < Q).
+    """Draws from weights p_E sorted hottest first, truncated to labels >= q (q < n_trunc).
 
-    Table q splits [cum_start[q], 1) into 2^16 equal slots; a slot inside one expert's interval maps to it,
-    a slot straddling experts (_MARK) is resolved with a second uniform and a binary search.
+    Table q splits [cum_start[q], 1) into 2^16 equal cells; a cell inside one expert's interval maps to it,
+    a cell straddling experts (_MARK) is resolved with a second uniform and a binary search. `table` holds
+    the n_trunc tables end to end (uint16 [trunc * cells], flattened).
     """
 
-    def __init__(self, p_E: np.ndarray, Q: int):
+    def __init__(self, p_E: np.ndarray, n_trunc: int):
         cum_end = np.cumsum(p_E / p_E.sum())
         cum_end[-1] = 1.0
         self.cum_end_E = cum_end
         self.p_E = np.diff(cum_end, prepend=0.0)  # the weights exactly as the cumulative sums encode them
         self.cum_start_E = np.concatenate(([0.0], cum_end[:-1]))
-        self.lo_Q = self.cum_start_E[:Q].copy()
-        self.width_Q = (1.0 - self.lo_Q) / _SLOTS
-        start_QS = self.lo_Q[:, None] + np.arange(_SLOTS) * self.width_Q[:, None]
-        e_QS = np.minimum(np.searchsorted(cum_end, start_QS, side="right"), p_E.size - 1)
-        full = start_QS + self.width_Q[:, None] <= cum_end[e_QS]
-        self.table_QS = np.where(full, e_QS, _MARK).astype(np.uint16).reshape(-1)
+        self.lo_trunc = self.cum_start_E[:n_trunc].copy()
+        self.width_trunc = (1.0 - self.lo_trunc) / _CELLS
+        start = self.lo_trunc[:, None] + np.arange(_CELLS) * self.width_trunc[:, None]  # [trunc, cells]
+        e_start = np.minimum(np.searchsorted(cum_end, start, side="right"), p_E.size - 1)
+        full = start + self.width_trunc[:, None] <= cum_end[e_start]
+        self.table = np.where(full, e_start, _MARK).astype(np.uint16).reshape(-1)
 
-    def search(self, u_M: np.ndarray) -> np.ndarray:
-        """Expert whose [cum_start, cum_end) holds u_M; side="right" never returns a zero-width expert."""
-        return np.searchsorted(self.cum_end_E, np.minimum(u_M, np.nextafter(1.0, 0.0)), side="right")
+    def search(self, u_N: np.ndarray) -> np.ndarray:
+        """Expert whose [cum_start, cum_end) holds u_N; side="right" never returns a zero-width expert."""
+        return np.searchsorted(self.cum_end_E, np.minimum(u_N, np.nextafter(1.0, 0.0)), side="right")
 
-    def draw(self, rng: np.random.Generator, m: int, q_M: np.ndarray | None = None) -> np.ndarray:
-        """uint16 [m]: one draw per entry from p_E truncated to labels >= q_M[i] (all labels if None)."""
+    def draw(self, rng: np.random.Generator, m: int, q_N: np.ndarray | None = None) -> np.ndarray:
+        """uint16 [N] (N = m): one draw per entry from p_E truncated to labels >= q_N[i] (all labels if None)."""
         r16 = rng.bit_generator.random_raw(-(-m // 4)).view(np.uint16)[:m]
-        e = np.take(self.table_QS, r16 if q_M is None else (q_M.astype(np.intp) << 16) | r16)
+        e = np.take(self.table, r16 if q_N is None else (q_N.astype(np.intp) << 16) | r16)
         split = np.flatnonzero(e == _MARK)
         if split.size:
-            q = 0 if q_M is None else q_M[split]
-            e[split] = self.search(self.lo_Q[q] + (r16[split] + rng.random(split.size)) * self.width_Q[q])
+            q = 0 if q_N is None else q_N[split]
+            e[split] = self.search(self.lo_trunc[q] + (r16[split] + rng.random(split.size)) * self.width_trunc[q])
         return e
 
-    def draw_excluding(self, rng: np.random.Generator, excl_JM: np.ndarray) -> np.ndarray:
-        """uint16 [M]: one draw per column from p_E renormalized over labels not in excl_JM[:, m] (distinct)."""
-        out = np.empty(excl_JM.shape[1], dtype=np.uint16)
-        todo = np.arange(excl_JM.shape[1])
-        ex_JM = np.sort(excl_JM, axis=0).astype(np.intp)
+    def draw_excluding(self, rng: np.random.Generator, excl: np.ndarray) -> np.ndarray:
+        """uint16 [N]: one draw per column from p_E renormalized over labels not in excl[:, n] (distinct);
+        excl: [choices so far, N]."""
+        out = np.empty(excl.shape[1], dtype=np.uint16)
+        todo = np.arange(excl.shape[1])
+        ex = np.sort(excl, axis=0).astype(np.intp)  # [choices so far, tokens still to draw]
         for _ in range(64):  # float rounding at an interval edge may land on an excluded expert: redraw those
-            pex_JM, sex_JM = self.p_E[ex_JM], self.cum_start_E[ex_JM]
-            u = rng.random(todo.size) * (1.0 - pex_JM.sum(axis=0))
-            for i in range(ex_JM.shape[0]):  # map the shortened line back, skipping excluded intervals in order
-                u += pex_JM[i] * (u >= sex_JM[i])
+            pex, sex = self.p_E[ex], self.cum_start_E[ex]
+            u = rng.random(todo.size) * (1.0 - pex.sum(axis=0))
+            for i in range(ex.shape[0]):  # map the shortened line back, skipping excluded intervals in order
+                u += pex[i] * (u >= sex[i])
             e = self.search(u)
-            clash = (ex_JM == e).any(axis=0)
+            clash = (ex == e).any(axis=0)
             out[todo[~clash]] = e[~clash]
-            todo, ex_JM = todo[clash], ex_JM[:, clash]
+            todo, ex = todo[clash], ex[:, clash]
             if not todo.size:
                 return out
         raise WorkloadError("could not draw distinct experts: routing weights too concentrated for float64")
 
 
 @lru_cache(maxsize=16)
-def _dist_cached(p_bytes: bytes, Q: int) -> _Dist:
-    return _Dist(np.frombuffer(p_bytes, dtype=np.float64), Q)
+def _dist_cached(p_bytes: bytes, n_trunc: int) -> _Dist:
+    return _Dist(np.frombuffer(p_bytes, dtype=np.float64), n_trunc)
 
 
-def _clash(new_M: np.ndarray, prev_JM: np.ndarray) -> np.ndarray:
-    """bool [M]: new_M[m] equals one of prev_JM[:, m]."""
-    hit = new_M == prev_JM[0]
-    for i in range(1, prev_JM.shape[0]):
-        hit |= new_M == prev_JM[i]
+def _clash(new_N: np.ndarray, prev: np.ndarray) -> np.ndarray:
+    """bool [N]: new_N[n] equals one of prev[:, n] (prev: [choices so far, N])."""
+    hit = new_N == prev[0]
+    for i in range(1, prev.shape[0]):
+        hit |= new_N == prev[i]
     return hit
 
 
@@ -235,16 +239,16 @@ def sample_topk_counts(rng: np.random.Generator, p_E, topk: int, num_ranks: int,
     p = np.asarray(p_E, dtype=np.float64)
     if p.ndim != 1 or not p.size or not np.all(np.isfinite(p)) or p.min() < 0 or p.sum() <= 0:
         raise WorkloadError(f"p_E must be 1-D, finite, non-negative with a positive sum, got {p!r}")
-    E, K, D, T = p.size, int(topk), int(num_ranks), int(tokens_per_rank)
-    if E >= _MARK or not 1 <= K <= E or hot >= E or not 0 <= hot_frac <= 1:
+    E, topk, D, T = p.size, int(topk), int(num_ranks), int(tokens_per_rank)
+    if E >= _MARK or not 1 <= topk <= E or hot >= E or not 0 <= hot_frac <= 1:
         raise WorkloadError(f"need 1 <= topk <= num_experts < {_MARK}, hot < num_experts, 0 <= hot_frac <= 1; "
-                            f"got topk={K}, num_experts={E}, hot={hot}, hot_frac={hot_frac}")
+                            f"got topk={topk}, num_experts={E}, hot={hot}, hot_frac={hot_frac}")
     order_E = np.argsort(-p, kind="stable")  # label i is the i-th hottest expert
     p_sorted = p[order_E] / p.sum()
-    if p_sorted[K - 1] < MIN_WEIGHT:
-        raise WorkloadError(f"the {K}-th largest routing weight {p_sorted[K - 1]:.3g} is below {MIN_WEIGHT:g}: "
-                            f"too concentrated to pick topk={K} distinct experts (lower the skew)")
-    dist = _dist_cached(p_sorted.tobytes(), K)  # sorted weights are the same for every layer and step
+    if p_sorted[topk - 1] < MIN_WEIGHT:
+        raise WorkloadError(f"the {topk}-th largest routing weight {p_sorted[topk - 1]:.3g} is below {MIN_WEIGHT:g}: "
+                            f"too concentrated to pick topk={topk} distinct experts (lower the skew)")
+    dist = _dist_cached(p_sorted.tobytes(), topk)  # sorted weights are the same for every layer and step
     forced_D = np.zeros(D, dtype=np.int64)
     if hot >= 0 and hot_frac > 0:
         hot = int(np.flatnonzero(order_E == hot)[0])
@@ -256,29 +260,29 @@ def sample_topk_counts(rng: np.random.Generator, p_E, topk: int, num_ranks: int,
     for d0 in range(0, D if T else 0, Dc):
         dc = min(Dc, D - d0)
         n = dc * T
-        picks_KN = np.empty((K, n), dtype=np.uint16)
-        picks_KN[0] = dist.draw(rng, n)
+        picks = np.empty((topk, n), dtype=np.uint16)  # [topk, N]
+        picks[0] = dist.draw(rng, n)
         if forced_D[d0:d0 + dc].any():  # tokens are exchangeable: force the first ones of each rank
-            picks_KN[0, pos_N[:n] < np.repeat(forced_D[d0:d0 + dc], T)] = hot
-        q_N = (picks_KN[0] == 0).astype(np.uint16)  # a lower bound on the smallest label not picked yet
-        for j in range(1, K):
+            picks[0, pos_N[:n] < np.repeat(forced_D[d0:d0 + dc], T)] = hot
+        q_N = (picks[0] == 0).astype(np.uint16)  # a lower bound on the smallest label not picked yet
+        for j in range(1, topk):
             # labels below q are all picked, so drawing from p_E truncated there is exact and skips most
             # repeats of a skewed head; the remaining repeats are redrawn by rejection
-            col = picks_KN[j]
+            col = picks[j]
             col[:] = dist.draw(rng, n, q_N if q_N.any() else None)
-            idx = np.flatnonzero(_clash(col, picks_KN[:j]))
-            prev_JM = picks_KN[:j, idx]
+            idx = np.flatnonzero(_clash(col, picks[:j]))
+            prev = picks[:j, idx]
             for _ in range(_REJECT_ROUNDS):
                 if not idx.size:
                     break
                 new = dist.draw(rng, idx.size, q_N[idx])
                 col[idx] = new
-                bad = _clash(new, prev_JM)
-                idx, prev_JM = idx[bad], prev_JM[:, bad]
+                bad = _clash(new, prev)
+                idx, prev = idx[bad], prev[:, bad]
             if idx.size:
-                col[idx] = dist.draw_excluding(rng, prev_JM)
-            q_N += _clash(q_N, picks_KN[:j + 1])  # one cheap step towards the true smallest unpicked label
-        keys = (picks_KN + base_N[:n]).reshape(-1)
+                col[idx] = dist.draw_excluding(rng, prev)
+            q_N += _clash(q_N, picks[:j + 1])  # one cheap step towards the true smallest unpicked label
+        keys = (picks + base_N[:n]).reshape(-1)
         out_DE[d0:d0 + dc, order_E] = np.bincount(keys, minlength=dc * E).reshape(dc, E)
     return out_DE
 
@@ -318,8 +322,8 @@ def counts(spec: WorkloadSpec, step: int = 0, layer: int = 0) -> np.ndarray:
     """counts_DE: int64 [D, E] at one step and layer, a deterministic function of (spec, step, layer).
 
     Synthetic skews: rows sum to spec.routed_per_rank and entries are <= spec.tokens_per_rank. A file skew
-    replays the file (whose D, E must match the spec): a 2-D file at every step and layer, 3-D [S, D, E]
-    at step % S for every layer, 4-D [S, L, D, E] at step % S and layer (needs L >= spec.num_layers).
+    replays the file (whose D, E must match the spec): a 2-D file at every step and layer, 3-D [I, D, E]
+    at step % I for every layer, 4-D [I, Y, D, E] at step % I and layer (needs Y >= spec.num_layers).
     """
     step, layer = _int("step", step, 0), _int("layer", layer, 0)
     if layer >= spec.num_layers:
@@ -332,7 +336,7 @@ def counts(spec: WorkloadSpec, step: int = 0, layer: int = 0) -> np.ndarray:
 
 
 def trace(spec: WorkloadSpec, steps: int) -> np.ndarray:
-    """counts_SLDE: int64 [steps, L, D, E] with counts_SLDE[s, l] == counts(spec, s, l)."""
+    """counts_IYDE: int64 [I, Y, D, E] (I = steps) with counts_IYDE[s, l] == counts(spec, s, l)."""
     steps = _int("steps", steps, 0)
     out = np.empty((steps, spec.num_layers, spec.num_ranks, spec.num_experts), dtype=np.int64)
     for s in range(steps):
@@ -344,7 +348,7 @@ def trace(spec: WorkloadSpec, steps: int) -> np.ndarray:
 # -- files ----------------------------------------------------------------------------------------------------
 
 def _validate(arr, where: str) -> np.ndarray:
-    """int64 copy of a 2-D [D, E], 3-D [S, D, E] or 4-D [S, L, D, E] count array; errors name `where`."""
+    """int64 copy of a 2-D [D, E], 3-D [I, D, E] or 4-D [I, Y, D, E] count array; errors name `where`."""
     a = np.asarray(arr)
     if a.ndim not in (2, 3, 4) or 0 in a.shape:
         raise WorkloadError(f"{where}: expected a non-empty 2-D [D,E], 3-D [steps,D,E] or 4-D "
@@ -375,7 +379,7 @@ def _suffix(p: Path) -> str:
 
 
 def load_counts(path: str | os.PathLike) -> np.ndarray:
-    """int64 counts [D, E], [S, D, E] or [S, L, D, E] from a .npy or .json file.
+    """int64 counts [D, E], [I, D, E] or [I, Y, D, E] from a .npy or .json file.
 
     JSON holds nested lists or an object {"counts": [...]}. Integral floats are accepted; negative,
     fractional, non-numeric or ragged data raise WorkloadError naming the file, a missing file
@@ -409,7 +413,7 @@ def load_counts(path: str | os.PathLike) -> np.ndarray:
 
 
 def save_counts(path: str | os.PathLike, counts_arr) -> Path:
-    """Write int counts (2-D [D, E], 3-D [S, D, E] or 4-D [S, L, D, E]) to .npy or .json {"counts": ...}."""
+    """Write int counts (2-D [D, E], 3-D [I, D, E] or 4-D [I, Y, D, E]) to .npy or .json {"counts": ...}."""
     p = Path(path)
     suffix = _suffix(p)
     arr = _validate(counts_arr, f"save_counts({str(p)!r})")

@@ -1,6 +1,6 @@
 """Routing traces: record the exact all-gathered counts of a real run, replay them in `simulate run`.
 
-Shape legend:  S steps (planner calls per layer)   L MoE layers   D expert-parallel ranks   E experts
+Shape legend:  I steps (planner calls per layer)   Y MoE layers   D expert-parallel ranks   E experts
 
     rec = TraceRecorder.attach(model)        # after building the model with megatron_rails installed
     ... train ...
@@ -9,13 +9,13 @@ Shape legend:  S steps (planner calls per layer)   L MoE layers   D expert-paral
 
 The recorder wraps each RailsTokenDispatcher's `planner.plan` (per instance) and keeps a copy of the
 counts_DE it is called with, once per layer and microbatch, in module order. Files:
-  .npz   `counts` int64 [S, L, D, E] and `meta`, a JSON string: format, version, steps, layers, ranks,
+  .npz   `counts` int64 [I, Y, D, E] and `meta`, a JSON string: format, version, steps, layers, ranks,
          experts, topk, hidden, tokens_per_rank, policy, source.
   .npy / .json   the bare 4-D counts, as workloads.save_counts writes them (no metadata).
-`load_trace` reads all three (and 2-D / 3-D counts files, broadcast to [S, L, D, E]).
+`load_trace` reads all three (and 2-D / 3-D counts files, broadcast to [I, Y, D, E]).
 
-`megatron-rails trace --out FILE.npz [--steps N] [--policy P] [--ranks R]` records the tiny CPU
-training demo (the demo trainer's model on R gloo ranks launched by torchrun) and saves its trace.
+`megatron-rails trace --out FILE.npz [--steps STEPS] [--policy POLICY] [--ranks RANKS]` records the tiny
+CPU training demo (the demo trainer's model on RANKS gloo ranks launched by torchrun) and saves its trace.
 """
 from __future__ import annotations
 
@@ -84,11 +84,11 @@ class TraceRecorder:
         self._wrapped = []
 
     def counts(self) -> np.ndarray:
-        """int64 [S, L, D, E]; S = the fewest calls any layer saw (a layer's extra calls are dropped)."""
+        """int64 [I, Y, D, E]; I = the fewest calls any layer saw (a layer's extra calls are dropped)."""
         if not self.layers or not min(map(len, self.layers)):
             raise TraceError("nothing recorded yet: run at least one forward pass after attach()")
-        S = min(map(len, self.layers))
-        return np.stack([np.stack(calls[:S]) for calls in self.layers], axis=1)
+        I = min(map(len, self.layers))
+        return np.stack([np.stack(calls[:I]) for calls in self.layers], axis=1)
 
     def save(self, path, source: str = "") -> Path:
         c = self.counts()
@@ -96,10 +96,10 @@ class TraceRecorder:
         return save_trace(path, c, meta)
 
 
-def save_trace(path, counts_SLDE, meta: dict | None = None) -> Path:
+def save_trace(path, counts_IYDE, meta: dict | None = None) -> Path:
     """Write a trace: .npz (counts + meta) or .npy/.json (workloads.save_counts, counts only)."""
     p = Path(path)
-    c = np.asarray(counts_SLDE)
+    c = np.asarray(counts_IYDE)
     if c.ndim != 4 or c.dtype.kind not in "iu" or (c.size and c.min() < 0):
         raise TraceError(f"{p}: a trace is non-negative integer counts [steps, layers, ranks, experts], "
                          f"got shape {c.shape} dtype {c.dtype}")
@@ -110,9 +110,9 @@ def save_trace(path, counts_SLDE, meta: dict | None = None) -> Path:
         return save_counts(p, c)
     if p.suffix.lower() != ".npz":
         raise TraceError(f"{p}: unsupported extension {p.suffix!r}; use .npz (with metadata), .npy or .json")
-    S, L, D, E = c.shape
+    I, Y, D, E = c.shape
     row = c[0, 0].sum(axis=1)
-    meta = {"format": FORMAT, "version": VERSION, "steps": S, "layers": L, "ranks": D, "experts": E} | dict(meta or {})
+    meta = {"format": FORMAT, "version": VERSION, "steps": I, "layers": Y, "ranks": D, "experts": E} | dict(meta or {})
     if meta.get("topk"):
         meta.setdefault("tokens_per_rank", int(row.max()) // int(meta["topk"]))
     with open(p, "wb") as f:  # np.savez(str) would append .npz to other names
@@ -121,7 +121,7 @@ def save_trace(path, counts_SLDE, meta: dict | None = None) -> Path:
 
 
 def load_trace(path) -> tuple[np.ndarray, dict]:
-    """(int64 counts [S, L, D, E], metadata dict) from .npz, or .npy/.json counts (2-D, 3-D or 4-D)."""
+    """(int64 counts [I, Y, D, E], metadata dict) from .npz, or .npy/.json counts (2-D, 3-D or 4-D)."""
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"trace file {str(p)!r} does not exist")
@@ -129,7 +129,7 @@ def load_trace(path) -> tuple[np.ndarray, dict]:
         from ..core.workloads import load_counts
 
         c = load_counts(p)
-        while c.ndim < 4:  # [D, E] -> one step; [S, D, E] -> every layer alike (as workloads replays it)
+        while c.ndim < 4:  # [D, E] -> one step; [I, D, E] -> every layer alike (as workloads replays it)
             c = c[None] if c.ndim == 2 else c[:, None]
         return c, {"source": str(p)}
     try:
@@ -229,15 +229,15 @@ def register(subparsers) -> None:
     p.add_argument("--steps", type=int, default=10, help="training steps to record (default 10)")
     p.add_argument("--policy", default="none", choices=POLICIES, help="policy the demo trains with (default none)")
     p.add_argument("--ranks", type=int, default=4, help="gloo ranks = expert-parallel size (divides 8; default 4)")
-    p.add_argument("--slots", type=int, default=2, help="R for the policy (default 2)")
+    p.add_argument("--slots", type=int, default=2, help="redundant slots per rank for the policy (default 2)")
     p.add_argument("--quiet", action="store_true")
     p.set_defaults(func=cmd_trace)
 
 
 def cmd_trace(args) -> int:
     path = record_demo(args.out, args.steps, args.policy, args.ranks, args.slots, args.quiet)
-    S, L, D, E = load_trace(path)[0].shape
-    print(f"trace: {path}: {S} steps x {L} layers, {D} ranks x {E} experts "
+    I, Y, D, E = load_trace(path)[0].shape
+    print(f"trace: {path}: {I} steps x {Y} layers, {D} ranks x {E} experts "
           f"(policy {args.policy}; replay: megatron-rails simulate run CONFIG --trace {path})")
     return 0
 

@@ -51,6 +51,9 @@ RECENT_PLANS = 16  # plans kept for replays (activation recompute of in-flight m
 BALANCE_WARN = 0.05  # a balancing policy above 1 + this max/mean tokens per rank is reported
 
 _replay = threading.local()
+# the autograd engine's current graph task (-1 outside a backward pass); torch.utils.checkpoint
+# asks the engine the same question. Private API: where it is missing only replaying() marks replays
+_graph_task_id = getattr(torch._C, "_current_graph_task_id", None)
 
 
 @contextlib.contextmanager
@@ -72,7 +75,7 @@ def is_replay() -> bool:
     all decide alike."""
     if getattr(_replay, "depth", 0):
         return True
-    return torch._C._current_graph_task_id() != -1
+    return _graph_task_id is not None and _graph_task_id() != -1
 
 
 class PlanMismatchError(RuntimeError):

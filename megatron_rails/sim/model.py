@@ -1,7 +1,8 @@
 """Analytic cost model of one MoE transformer layer and one microbatch, per policy and comm scheme.
 
-Shape legend:  D expert-parallel ranks   E experts   L layers   H hidden   F expert FFN width
-               s sequence length   V vocabulary   K top-k
+Shape legend:  D expert-parallel ranks   E experts   Y layers   H hidden   F expert FFN width
+               (spelled out: seq sequence length, vocab vocabulary size, top-k, groups query groups,
+               heads attention heads)
 
 Everything is per GPU and in milliseconds; a training microbatch is forward + backward.
 
@@ -9,10 +10,10 @@ FLOPs (a GEMM of [m, k] x [k, n] is 2mkn; backward = 2 x forward):
   expert    SwiGLU: 3 GEMMs of H x F per routed token (gate, up, down): 6HF forward per token-expert
             pair (2 GEMMs, 4HF, without SwiGLU). Time = max over EP ranks of the tokens the rank computes
             (plan.load_D) x 6HF x 3 / (gpu_tflops x mfu). The slowest rank sets the layer's pace.
-  dense     attention + router per token per layer, forward: QKV 2H(H + 2H g/a), output 2H^2, core
-            2sH (QK^T and AV, 4sH, halved for the causal mask), router 2HE; x 3 for training, divided
-            by TP; the LM head 2HV per token sits on the last pipeline stage. Norms, RoPE, softmax,
-            activations and the loss are not counted. Same for every policy.
+  dense     attention + router per token per layer, forward: QKV 2H(H + 2H groups/heads), output 2H^2,
+            core 2 seq H (QK^T and AV, 4 seq H, halved for the causal mask), router 2HE; x 3 for
+            training, divided by TP; the LM head 2H vocab per token sits on the last pipeline stage.
+            Norms, RoPE, softmax, activations and the loss are not counted. Same for every policy.
   recompute selective: the attention core runs forward once more; full: every forward runs twice
             (and with it the MoE layer's planner, weight fetch and dispatch/combine all-to-alls).
 
@@ -197,8 +198,8 @@ class CommModel:
         self._cache: dict = {}
 
     def ms(self, units_DD: np.ndarray, bytes_per_unit: int, scheme: str) -> float:
-        T = np.ascontiguousarray(units_DD, dtype=np.int64)
-        off = T.copy()
+        traffic = np.ascontiguousarray(units_DD, dtype=np.int64)
+        off = traffic.copy()
         np.fill_diagonal(off, 0)
         if not off.any():
             return 0.0
@@ -206,10 +207,10 @@ class CommModel:
             busiest = max(int(off.sum(axis=1).max()), int(off.sum(axis=0).max())) * float(bytes_per_unit)
             phases = 1  # fluid: one hop's latency; phased: only phase 1 has traffic
             return (busiest * 8.0 / (self.topo.nvlink_gbps * 1e3) + self.topo.latency_us * phases) / 1e3
-        key = (scheme, int(bytes_per_unit), T.shape, T.tobytes())
+        key = (scheme, int(bytes_per_unit), traffic.shape, traffic.tobytes())
         hit = self._cache.get(key)
         if hit is None:
-            r = simulate_schedule(build_schedule(scheme, T, self.topo), scheme, int(bytes_per_unit), (0.0, "-"))
+            r = simulate_schedule(build_schedule(scheme, traffic, self.topo), scheme, int(bytes_per_unit), (0.0, "-"))
             hit = self._cache[key] = (r.completion_us if self.model == "fluid" else r.phased_us) / 1e3
         return hit
 
@@ -220,27 +221,27 @@ def weight_units_DD(plan, expert_bytes: int) -> tuple[np.ndarray, int]:
 
     p = plan.placement
     D = p.num_ranks
-    W = np.zeros((D, D), dtype=np.int64)
+    weights_DD = np.zeros((D, D), dtype=np.int64)
     moved = p.is_moved_R & (plan.quota_R > 0)
     if p.layout == SHARDED:
         shard = -(-expert_bytes // D)
         units = -(-shard // CHUNK_BYTES)
         slots_D = np.bincount(p.replica_rank_R[moved], minlength=D)
-        W += slots_D[None, :] * units
-        np.fill_diagonal(W, 0)
-        return W, int(slots_D.sum()) * (D - 1) * shard
+        weights_DD += slots_D[None, :] * units
+        np.fill_diagonal(weights_DD, 0)
+        return weights_DD, int(slots_D.sum()) * (D - 1) * shard
     units = -(-expert_bytes // CHUNK_BYTES)
     owner = (p.replica_expert_R * D) // p.num_experts  # owner_of_experts
-    np.add.at(W, (owner[moved], p.replica_rank_R[moved]), units)
-    return W, int(moved.sum()) * expert_bytes
+    np.add.at(weights_DD, (owner[moved], p.replica_rank_R[moved]), units)
+    return weights_DD, int(moved.sum()) * expert_bytes
 
 
 def layer_cost(setup: Setup, opts: SimOptions, plan, comm: CommModel, scheme: str) -> dict:
     """Milliseconds of one MoE layer for one microbatch (forward + backward) on its slowest rank,
     without the planner (added by the caller from the measured median)."""
-    W, wbytes = weight_units_DD(plan, setup.expert_bytes * opts.dtype_bytes)
+    weights_DD, wbytes = weight_units_DD(plan, setup.expert_bytes * opts.dtype_bytes)
     load_max = int(plan.load_D.max()) if plan.load_D.size else 0
-    out = cost_parts(setup, opts, load_max, plan.send_DD, W, comm, scheme)
+    out = cost_parts(setup, opts, load_max, plan.send_DD, weights_DD, comm, scheme)
     return out | {"weight_bytes": wbytes, "max_over_mean": plan.max_over_mean}
 
 
@@ -251,23 +252,25 @@ def force_balanced_cost(setup: Setup, opts: SimOptions, counts_DE: np.ndarray, c
     c = np.asarray(counts_DE, dtype=np.int64)
     D = c.shape[0]
     rows_D = c.sum(axis=1)
-    S = (rows_D[:, None] // D + (np.arange(D)[None, :] < (rows_D % D)[:, None])).astype(np.int64)
-    out = cost_parts(setup, opts, -(-int(c.sum()) // D), S, np.zeros((D, D), dtype=np.int64), comm, scheme)
+    send_DD = (rows_D[:, None] // D + (np.arange(D)[None, :] < (rows_D % D)[:, None])).astype(np.int64)
+    out = cost_parts(setup, opts, -(-int(c.sum()) // D), send_DD, np.zeros((D, D), dtype=np.int64), comm,
+                     scheme)
     return out | {"weight_bytes": 0, "max_over_mean": 1.0}
 
 
-def cost_parts(setup: Setup, opts: SimOptions, load_max: int, send_DD, W_DD, comm: CommModel, scheme: str) -> dict:
+def cost_parts(setup: Setup, opts: SimOptions, load_max: int, send_DD, weights_DD, comm: CommModel,
+               scheme: str) -> dict:
     """The cost model proper (module docstring) from the busiest rank's tokens, the token traffic
     (rows, int [D, D]) and the forward weight traffic (CHUNK_BYTES units, int [D, D])."""
     flops_per_ms = setup.topology.gpu_tflops * 1e9 * opts.mfu
     passes = setup.fwd_passes
     expert = load_max * setup.expert_flops_per_token * (passes + 2) / flops_per_ms
     dense = setup.micro_batch * setup.seq / setup.cp * setup.dense_flops_per_token() / flops_per_ms
-    S = np.asarray(send_DD)
+    send = np.asarray(send_DD)
     tok_bytes = setup.hidden * opts.dtype_bytes
-    a2a = (passes + 1) * (comm.ms(S, tok_bytes, scheme) + comm.ms(S.T, tok_bytes, scheme))
-    w_fwd = comm.ms(W_DD, CHUNK_BYTES, scheme)
-    w_bwd = comm.ms(np.asarray(W_DD).T, CHUNK_BYTES, scheme) * opts.grad_bytes / opts.dtype_bytes
+    a2a = (passes + 1) * (comm.ms(send, tok_bytes, scheme) + comm.ms(send.T, tok_bytes, scheme))
+    w_fwd = comm.ms(weights_DD, CHUNK_BYTES, scheme)
+    w_bwd = comm.ms(np.asarray(weights_DD).T, CHUNK_BYTES, scheme) * opts.grad_bytes / opts.dtype_bytes
     if opts.weight_sync == "iteration":  # fetched once, kept for every microbatch; grads returned once
         weights_total = (w_fwd + w_bwd) / setup.microbatches
     else:

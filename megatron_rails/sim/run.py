@@ -1,15 +1,15 @@
 """`simulate run`'s driver: workloads -> planners -> per-layer costs -> iteration time per policy x comm.
 
-Shape legend:  S steps   L layers   D expert-parallel ranks   E experts   P pipeline stages
+Shape legend:  I steps   Y layers   D expert-parallel ranks   E experts   pipeline stages spelled out (pp of them)
 
 One simulated step is one training iteration. Its routing is one counts_DE per layer (a synthetic skew
 from workloads.py, or a recorded trace), taken to hold for every microbatch of the iteration; every
 policy plans it with its own per-layer planner state (eplb's history carries across steps).
 
-Pipeline (1F1B): stage k holds layers [k L/P, (k+1) L/P), the last stage also the LM head; a
-microbatch costs a stage the sum of its layers' costs, and an iteration of m microbatches takes
-(m + P - 1) x the slowest stage's microbatch time. The breakdown reports m x each component of that
-stage and the pipeline bubble (P - 1) x its total, so the parts add up to the iteration time.
+Pipeline (1F1B) of pp stages: stage k holds layers [k Y/pp, (k+1) Y/pp), the last stage also the LM
+head; a microbatch costs a stage the sum of its layers' costs, and an iteration of m microbatches takes
+(m + pp - 1) x the slowest stage's microbatch time. The breakdown reports m x each component of that
+stage and the pipeline bubble (pp - 1) x its total, so the parts add up to the iteration time.
 Not modeled: data-parallel gradient reduction, the optimizer step, TP/CP/PP communication, kernel
 launch and framework overheads; they would add the same time to every policy and shrink speedups.
 """
@@ -50,8 +50,8 @@ def rescale_rows(counts_DE: np.ndarray, row_sum: int) -> np.ndarray:
 
 @dataclass
 class Workload:
-    """counts_DE per (step, layer): synthetic (skew) or a trace [S', L', D, E] replayed cyclically
-    (step % S', layer % L'), its rows rescaled to the config's tokens per rank unless raw."""
+    """counts_DE per (step, layer): synthetic (skew) or a trace [I', Y', D, E] replayed cyclically
+    (step % I', layer % Y'), its rows rescaled to the config's tokens per rank unless raw."""
 
     setup: Setup
     skew: str = "zipf:1.2"
@@ -81,8 +81,8 @@ class Workload:
 
     def describe(self) -> str:
         if self.trace is not None:
-            S, L = self.trace.shape[:2]
-            return f"trace {self.trace_path} ({S} steps x {L} layers{', raw' if self.raw else ', rescaled'})"
+            I, Y = self.trace.shape[:2]
+            return f"trace {self.trace_path} ({I} steps x {Y} layers{', raw' if self.raw else ', rescaled'})"
         return f"{self.spec.skew} (seed {self.seed})"
 
     def counts(self, step: int, layer: int) -> np.ndarray:
@@ -90,8 +90,8 @@ class Workload:
             from ..core.workloads import counts
 
             return counts(self.spec, step, layer)
-        S, L = self.trace.shape[:2]
-        c = self.trace[step % S, layer % L]
+        I, Y = self.trace.shape[:2]
+        c = self.trace[step % I, layer % Y]
         return c.copy() if self.raw else rescale_rows(c, self.setup.tokens_per_rank * self.setup.topk)
 
 
@@ -143,13 +143,13 @@ def simulate_run(setup: Setup, opts: SimOptions, policies, comms, steps: int, wo
     planners = _planners(setup, run_pols)
     states = {p: [planners[p].initial_state() for _ in range(setup.layers)] for p in run_pols}
     comm = CommModel(setup.ep_topo, opts.a2a_model)
-    P, L = setup.pp, setup.layers
-    per = L // P
+    pp, Y = setup.pp, setup.layers
+    per = Y // pp
     plan_us = {p: [] for p in run_pols}
     plan_us[IDEAL] = [0.0]
     keys = ("dense_ms", "expert_compute_ms", "token_a2a_ms", "weights_ms")
     cases = [(p, c) for p in [*run_pols, IDEAL] for c in run_comms]
-    acc = {k: np.zeros((steps, P, len(keys))) for k in cases}  # per step and stage, summed over its layers
+    acc = {k: np.zeros((steps, pp, len(keys))) for k in cases}  # per step and stage, summed over its layers
     extra = {k: {"weights_total_ms": 0.0, "weight_bytes": 0.0, "max_over_mean": 0.0} for k in cases}
     before = 0.0
     t_start = time.perf_counter()
@@ -160,7 +160,7 @@ def simulate_run(setup: Setup, opts: SimOptions, policies, comms, steps: int, wo
             extra[case][k] += cost[k]
 
     for step in range(steps):
-        for layer in range(L):
+        for layer in range(Y):
             counts_DE = workload.counts(step, layer)
             stage = layer // per
             for c in run_comms:
@@ -176,18 +176,18 @@ def simulate_run(setup: Setup, opts: SimOptions, policies, comms, steps: int, wo
         if progress:
             progress(step + 1, steps, time.perf_counter() - t_start)
     head = head_ms(setup, opts)
-    m, n = setup.microbatches, steps * L
+    m, n = setup.microbatches, steps * Y
     rows = {}
     for pol, c in cases:
         plan_ms = float(np.median(plan_us[pol])) / 1e3 * setup.fwd_passes
-        a = acc[pol, c].copy()                       # [S, P, 4]
+        a = acc[pol, c].copy()                       # [I, stages, 4]
         a[:, -1, 0] += head                          # LM head on the last stage
-        a = np.concatenate([a, np.full((steps, P, 1), plan_ms * per)], axis=2)  # [S, P, 5]
-        stage_tot = a.sum(axis=2)                    # [S, P]
+        a = np.concatenate([a, np.full((steps, pp, 1), plan_ms * per)], axis=2)  # [I, stages, 5]
+        stage_tot = a.sum(axis=2)                    # [I, stages]
         k = stage_tot.argmax(axis=1)                 # the slowest stage of every step
         worst, tot = a[np.arange(steps), k], stage_tot[np.arange(steps), k]
-        iters = (m + P - 1) * tot
-        parts = np.concatenate([m * worst, ((P - 1) * tot)[:, None]], axis=1).mean(axis=0)
+        iters = (m + pp - 1) * tot
+        parts = np.concatenate([m * worst, ((pp - 1) * tot)[:, None]], axis=1).mean(axis=0)
         rows[pol, c] = {
             "policy": pol, "comm": c, "iteration_ms": float(iters.mean()),
             "breakdown": dict(zip(COMPONENTS, map(float, parts))),

@@ -1,19 +1,19 @@
 """Rank-to-rank token traffic of an expert-parallel all-to-all, for the RailS simulator.
 
-Shape legend:  D ranks   E experts
+Shape legend:  D ranks   E experts   T tokens per rank   H hidden size   (top-k spelled out: topk)
 
 `tokens_DD[s, d]` is how many token rows rank s sends rank d in one dispatch all-to-all (top-k
 expanded: a token routed to k experts on one rank counts k times, as Megatron's alltoall dispatcher
 sends it). Bytes are tokens x hidden x dtype bytes (bf16 = 2 by default).
 
-Families (`make_traffic(text, ...)`; T = tokens per rank, K = top-k):
+Families (`make_traffic(text, ...)`):
 
-  uniform              every rank sends every rank (itself included) T*K/D rows; the remainder
-                       T*K mod D goes one row each to the next ranks after s (cyclically).
+  uniform              every rank sends every rank (itself included) T*topk/D rows; the
+                       remainder T*topk mod D goes one row each to the next ranks after s (cyclically).
   zipf:S               stock expert parallelism (policy `none`) on zipf:S routing of a generic
                        fine-grained MoE: E = the smallest multiple of D that is >= 256, top-8,
                        hidden 4096. The hot experts' ranks are the hot receivers.
-  plan:POLICY[:SKEW]   the token route of POLICY's plan (R = 1 slot) on Mixtral-like routing
+  plan:POLICY[:SKEW]   the token route of POLICY's plan (slots = 1) on Mixtral-like routing
                        (E = 8, top-2, hidden 4096) at SKEW (default zipf:1.2).
   mixtral[:POLICY]     Mixtral 8x7B: E = 8, top-2, hidden 4096, zipf:1.2 routing, planned by POLICY
                        (default: the product default policy of PolicyConfig, fsep).
@@ -135,7 +135,8 @@ def make_traffic(text: str, num_ranks: int, ranks_per_node: int = 8, *, tokens_p
                  topk: int | None = None, seed: int = 0, slots: int = 1) -> Traffic:
     """The traffic of family `text` on `num_ranks` ranks (`ranks_per_node` per node, for the planners).
 
-    hidden / experts / topk override the family's shape; slots is R for the planners.
+    hidden / experts / topk override the family's shape; slots: the planners' redundant slots per rank
+    (PlannerConfig.slots).
     """
     kind, sk, pol = parse_traffic(text)
     for name, v, lo in (("num_ranks", num_ranks, 1), ("ranks_per_node", ranks_per_node, 1),
@@ -150,20 +151,20 @@ def make_traffic(text: str, num_ranks: int, ranks_per_node: int = 8, *, tokens_p
     else:
         shape = dict(DEEPSEEK if kind == "deepseek" else MIXTRAL)
     shape.update({k: int(v) for k, v in (("experts", experts), ("topk", topk), ("hidden", hidden)) if v is not None})
-    E, K, H = shape["experts"], shape["topk"], shape["hidden"]
+    E, top_k, H = shape["experts"], shape["topk"], shape["hidden"]
     canon = {"uniform": "uniform", "zipf": sk, "plan": f"plan:{pol}:{sk}"}.get(kind, f"{kind}:{pol}")
     if kind == "uniform":
-        tok = _uniform_DD(D, int(tokens_per_rank) * K)
-        return _traffic(canon, tok, H, dtype_bytes, E, K, tokens_per_rank, "", "", seed)
+        tok = _uniform_DD(D, int(tokens_per_rank) * top_k)
+        return _traffic(canon, tok, H, dtype_bytes, E, top_k, tokens_per_rank, "", "", seed)
     from ..core.planners import PlannerConfig, make_planner
 
     try:
-        spec = WorkloadSpec(D, E, K, int(tokens_per_rank), sk, int(seed))
+        spec = WorkloadSpec(D, E, top_k, int(tokens_per_rank), sk, int(seed))
     except WorkloadError as err:
         raise TrafficError(f"traffic {text!r}: {err}") from None
     c = counts(spec)
     plan, _ = make_planner(pol, PlannerConfig(D, E, min(int(ranks_per_node), D), int(slots))).plan(c)
-    return _traffic(canon, plan.send_DD, H, dtype_bytes, E, K, tokens_per_rank, sk, pol, seed)
+    return _traffic(canon, plan.send_DD, H, dtype_bytes, E, top_k, tokens_per_rank, sk, pol, seed)
 
 
 def _uniform_DD(D: int, rows: int) -> np.ndarray:
@@ -175,7 +176,7 @@ def _uniform_DD(D: int, rows: int) -> np.ndarray:
     return out
 
 
-def _traffic(canon, tok, H, dtype_bytes, E, K, T, sk, pol, seed) -> Traffic:
+def _traffic(canon, tok, H, dtype_bytes, E, top_k, T, sk, pol, seed) -> Traffic:
     tok = np.array(tok, dtype=np.int64)
     tok.setflags(write=False)
-    return Traffic(canon, tok, int(H), int(dtype_bytes), int(E), int(K), int(T), sk, pol, int(seed))
+    return Traffic(canon, tok, int(H), int(dtype_bytes), int(E), int(top_k), int(T), sk, pol, int(seed))

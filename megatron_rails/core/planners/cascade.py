@@ -1,4 +1,4 @@
-"""Cascading exports: the core of `ultraep` (owner layout, R redundant slots per rank, threshold T).
+"""Cascading exports: the core of `ultraep` (owner layout, `slots` redundant slots per rank, threshold T).
 
 Ranks above T ("givers") must export their excess from the experts they own; ranks below T
 ("takers") have slack. Tokens move along a *chain*: a carry (tokens of one expert) reaches a rank,
@@ -30,7 +30,8 @@ Chain order: givers by decreasing room w = hottest owned load - excess (the one 
 room leads: it absorbs nothing), takers by decreasing slack, lower rank first on ties. Given
 ranks_per_node < D, nodes come first in that key, visited so that the running sum of their net
 excess stays near zero (exports stay inside a node where they can). Legend: D ranks, E experts,
-N nodes; a piece is (expert, rank, tokens).
+G ranks per node, V nodes, L owner slots per rank, T the threshold (tokens on one rank); a piece is
+(expert, rank, tokens).
 """
 from __future__ import annotations
 
@@ -100,22 +101,22 @@ def _hottest_first(t: tuple[int, int]) -> tuple[int, int]:
     return -t[0], t[1]
 
 
-def node_order(net_N: list, first: int) -> list:
+def node_order(net_V: list, first: int) -> list:
     """Position of every node in the chain: `first` leads; then, while the running sum of net
-    excess (net_N: excess - slack per node) is positive, the node with the largest deficit next,
+    excess (net_V: excess - slack per node) is positive, the node with the largest deficit next,
     else the one with the largest surplus (lower node first on ties)."""
-    rest = [n for n in range(len(net_N)) if n != first]
-    plus = sorted((n for n in rest if net_N[n] > 0), key=lambda n: (-net_N[n], n))
-    minus = sorted((n for n in rest if net_N[n] <= 0), key=lambda n: (net_N[n], n))
-    pos = [0] * len(net_N)
-    run, i, j = net_N[first], 0, 0
-    for k in range(1, len(net_N)):
+    rest = [n for n in range(len(net_V)) if n != first]
+    plus = sorted((n for n in rest if net_V[n] > 0), key=lambda n: (-net_V[n], n))
+    minus = sorted((n for n in rest if net_V[n] <= 0), key=lambda n: (net_V[n], n))
+    pos = [0] * len(net_V)
+    run, i, j = net_V[first], 0, 0
+    for k in range(1, len(net_V)):
         if j >= len(minus) or (run <= 0 and i < len(plus)):
             n, i = plus[i], i + 1
         else:
             n, j = minus[j], j + 1
         pos[n] = k
-        run += net_N[n]
+        run += net_V[n]
     return pos
 
 
@@ -155,7 +156,7 @@ def cascade(T: int, base: list, hot: list, hot_e: list, owned_desc, ranks_per_no
         tak.sort()
         giv.insert(0, giv.pop())
     got_e, got_a = [-1] * D, [0] * D
-    K, j, c, cur = len(tak), 0, 0, -1
+    n_tak, j, c, cur = len(tak), 0, 0, -1
     s_j = -tak[0][0]
     for _, g in giv:
         while s_j <= c:                          # the carry fills whole takers
@@ -163,7 +164,7 @@ def cascade(T: int, base: list, hot: list, hot_e: list, owned_desc, ranks_per_no
             got_e[t], got_a[t] = cur, s_j
             c -= s_j
             j += 1
-            s_j = -tak[j][0] if j < K else _NEVER
+            s_j = -tak[j][0] if j < n_tak else _NEVER
         if c:                                    # g absorbs the tail, passes its own expert on
             got_e[g], got_a[g] = cur, c
         c += base[g] - T
@@ -177,7 +178,7 @@ def cascade(T: int, base: list, hot: list, hot_e: list, owned_desc, ranks_per_no
                 c -= s_j
                 left -= s_j
                 j += 1
-                s_j = -tak[j][0] if j < K else _NEVER
+                s_j = -tak[j][0] if j < n_tak else _NEVER
             if c <= left:
                 cur = e
                 break
@@ -188,7 +189,7 @@ def cascade(T: int, base: list, hot: list, hot_e: list, owned_desc, ranks_per_no
         got_e[t], got_a[t] = cur, (s_j if s_j < c else c)
         c -= s_j
         j += 1
-        s_j = -tak[j][0] if j < K else _NEVER
+        s_j = -tak[j][0] if j < n_tak else _NEVER
     return got_e, got_a
 
 
@@ -226,19 +227,19 @@ def cascade_np(T: int, base_D: np.ndarray, hot_D: np.ndarray, hot_e_D: np.ndarra
     giv = np.concatenate(([lead], giv[giv != lead]))
     tak = order[n_giv:n_giv + n_tak]
     s = sig[tak]
-    S0 = np.zeros(n_tak + 1, dtype=np.int64)
-    np.cumsum(s, out=S0[1:])
+    cum_slack = np.zeros(n_tak + 1, dtype=np.int64)
+    np.cumsum(s, out=cum_slack[1:])
     X = np.cumsum(-sig[giv])
     end = int(X[-1])
-    k = np.searchsorted(S0, X + sig[giv], side="right") - 1  # taker where each stream starts
+    k = np.searchsorted(cum_slack, X + sig[giv], side="right") - 1  # taker where each stream starts
     k[0] = 0
-    gap = X + sig[giv] - S0[k]
-    n = int(np.searchsorted(S0, end, side="left"))            # takers 0..n-1 receive a piece
+    gap = X + sig[giv] - cum_slack[k]
+    n = int(np.searchsorted(cum_slack, end, side="left"))     # takers 0..n-1 receive a piece
     hot_e = hot_e_D[giv]
     label = np.repeat(hot_e, np.diff(np.append(k, n)))        # expert filling each taker
     last_e = hot_e.copy()                                     # expert each stream ends with
-    for i in np.flatnonzero(X - S0[k] > hot_D[giv]).tolist():
-        j, c, stop = int(k[i]), int(X[i] - S0[k[i]]), (int(k[i + 1]) if i + 1 < giv.size else n)
+    for i in np.flatnonzero(X - cum_slack[k] > hot_D[giv]).tolist():
+        j, c, stop = int(k[i]), int(X[i] - cum_slack[k[i]]), (int(k[i + 1]) if i + 1 < giv.size else n)
         for left, e in owned_desc(int(giv[i])):
             while j < n_tak and s[j] <= left and s[j] < c:
                 label[j] = e
@@ -255,7 +256,7 @@ def cascade_np(T: int, base_D: np.ndarray, hot_D: np.ndarray, hot_e_D: np.ndarra
     a_D = np.zeros(D, dtype=np.int64)
     e_D[tak[:n]] = label
     a_D[tak[:n]] = s[:n]
-    a_D[tak[n - 1]] = end - S0[n - 1]
+    a_D[tak[n - 1]] = end - cum_slack[n - 1]
     ab = np.flatnonzero(gap)
     e_D[giv[ab]] = last_e[ab - 1]
     a_D[giv[ab]] = gap[ab]

@@ -1,11 +1,13 @@
 """`eplb`: history-based replication in the style of DeepSeek's EPLB.
 
 Every `interval` steps the planner re-plans from the moving sum of expert loads over the last
-`window` steps (the current step included): the D*R redundant slots are granted greedily to the
+`window` steps (the current step included): the D*S redundant slots are granted greedily to the
 experts with the largest load per replica, and the replicas are packed LPT-style onto the ranks'
 redundant slots. Between re-plans the placement is kept; each step's tokens are split evenly over
 the replicas of their expert, same-node replicas first. A history whose stock layout is within the
 tolerance (PlannerConfig) gets no replicas.
+
+Legend: D ranks, E experts, I steps (of the history window), S redundant slots per rank.
 """
 from __future__ import annotations
 
@@ -20,9 +22,9 @@ from .packing import lpt_place, replica_counts
 
 @dataclass(frozen=True)
 class EplbState:
-    """history_WE: int64 [<=window, E] loads of the latest steps; step: steps planned so far."""
+    """history_IE: int64 [I <= window, E] loads of the latest steps; step: steps planned so far."""
 
-    history_WE: np.ndarray
+    history_IE: np.ndarray
     step: int = 0
     placement: Placement | None = None
 
@@ -38,7 +40,7 @@ class EplbPlanner(PlannerBase):
         cfg = self.cfg
         state = state or self.initial_state()
         load_E = counts.sum(axis=0)
-        history = np.concatenate([state.history_WE, load_E[None]])[-cfg.window:]
+        history = np.concatenate([state.history_IE, load_E[None]])[-cfg.window:]
         history.flags.writeable = False
         placement = state.placement
         replanned = placement is None or state.step % cfg.interval == 0
@@ -52,12 +54,12 @@ class EplbPlanner(PlannerBase):
     def place(self, hist_E: np.ndarray) -> Placement:
         """Owner layout plus the redundant replicas that best balance the historical loads hist_E."""
         cfg = self.cfg
-        D, E, R = cfg.num_ranks, cfg.num_experts, cfg.slots
+        D, E, S = cfg.num_ranks, cfg.num_experts, cfg.slots
         owner = owner_of_experts(E, D)
         stock_D = np.bincount(owner, weights=hist_E, minlength=D)
         if cfg.tolerance and self.tolerated(int(stock_D.max()), int(hist_E.sum())):
-            return Placement.owner_from_pairs(E, D, cfg.ranks_per_node, R, (), ())  # balanced enough: no replicas
-        n_E = replica_counts(hist_E, E + D * R, np.ones(E, dtype=np.int64), D)
+            return Placement.owner_from_pairs(E, D, cfg.ranks_per_node, S, (), ())  # balanced enough: no replicas
+        n_E = replica_counts(hist_E, E + D * S, np.ones(E, dtype=np.int64), D)
         per_rep = hist_E // n_E  # expected tokens per replica
         hosted = np.zeros((D, E), dtype=bool)
         hosted[owner, np.arange(E)] = True
@@ -66,9 +68,9 @@ class EplbPlanner(PlannerBase):
         item_load = per_rep[item_e]
         order = np.lexsort((item_e, -item_load))
         item_e, item_load = item_e[order], item_load[order]
-        item_rank = lpt_place(item_e, item_load, rank_load, hosted, np.full(D, R, dtype=np.int64))
+        item_rank = lpt_place(item_e, item_load, rank_load, hosted, np.full(D, S, dtype=np.int64))
         redundant = [[] for _ in range(D)]
         for e, r in zip(item_e.tolist(), item_rank.tolist()):
             if r >= 0:
                 redundant[r].append(e)
-        return Placement.owner(E, D, cfg.ranks_per_node, redundant, slots=R)
+        return Placement.owner(E, D, cfg.ranks_per_node, redundant, slots=S)

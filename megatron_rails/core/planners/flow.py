@@ -5,17 +5,19 @@ Problem: given load_E (int64 [E], tokens routed to every expert) and a Placement
 rank load (sum of the quotas of the replicas on a rank).
 
 Experts with one replica are a fixed base load b_d on their rank; only experts with two or more replicas
-and tokens ("flexible", K of them) are decided. For a rank set Q let w(Q) = b(Q) + the load of flexible
-experts whose hosts all lie in Q. By max-flow/min-cut (Hall's condition) the fractional optimum is
-    T* = max over Q of w(Q) / |Q|,
+and tokens ("flexible") are decided. For a rank set X let w(X) = b(X) + the load of flexible
+experts whose hosts all lie in X. By max-flow/min-cut (Hall's condition) the fractional optimum is
+    T* = max over X of w(X) / |X|,
 and T is feasible iff the network  source -> expert (cap load) -> host rank (cap inf) -> sink (cap T - b_d)
-carries every flexible token. Newton/Dinkelbach iteration: if T is infeasible, the source side Q of the
-min cut has w(Q)/|Q| > T; move T there. T is kept as an exact Fraction p/q and capacities are scaled by q,
+carries every flexible token. Newton/Dinkelbach iteration: if T is infeasible, the source side X of the
+min cut has w(X)/|X| > T; move T there. T is kept as an exact Fraction p/q and capacities are scaled by q,
 so every decision is integer arithmetic. The integer optimum is ceil(T*), and max-flow with integer
 capacities ceil(T*) - b_d returns integral flows, i.e. integer quotas reaching it.
 
-Legend: D ranks, E experts, R replicas, K flexible experts, M replicas of flexible experts, P ranks
-hosting a flexible expert. Everything is deterministic: no hashing, no floats, fixed iteration orders.
+Legend: D ranks, E experts, R replicas, T a max rank load in tokens (T* the LP optimum). Inside
+`_Network` the letters are restricted to the flexible part: E the flexible experts, R their replicas,
+D the ranks hosting one (ascending). Everything is deterministic: no hashing, no floats, fixed iteration
+orders.
 """
 from __future__ import annotations
 
@@ -77,11 +79,11 @@ def min_max_quotas(load_E, placement: Placement) -> MinMaxResult:
         return _result(quota, base, t, Fraction(t))
 
     net = _Network(load[flex], ptr[flex], n_E[flex], rank_R, base)
-    # Both are ratios w(Q)/|Q| of real rank sets (all ranks; the most loaded single rank), so T <= T*.
+    # Both are ratios w(X)/|X| of real rank sets (all ranks; the most loaded single rank), so T <= T*.
     T = max(Fraction(total, D), Fraction(int(base.max())))
     flows = 0
-    # Dinkelbach: each step's Q maximizes w(Q) - T|Q| and |Q| strictly shrinks from step to step,
-    # so at most P + 1 <= D + 1 solves reach T*.
+    # Dinkelbach: each step's X maximizes w(X) - T|X| and |X| strictly shrinks from step to step,
+    # so at most (host ranks) + 1 <= D + 1 solves reach T*.
     for _ in range(D + 2):
         flows += 1
         if net.solve(T):
@@ -95,9 +97,9 @@ def min_max_quotas(load_E, placement: Placement) -> MinMaxResult:
         flows += 1
         if not net.solve(Fraction(t_int)):  # pragma: no cover - t_int >= T* is feasible
             raise RuntimeError(f"min_max_quotas: integer flow at {t_int} >= T*={T} infeasible")
-    quota[net.rep_M] = net.flow_M()
+    quota[net.rep_R] = net.flow_R()
     load_D = base.copy()
-    np.add.at(load_D, net.rank_P[net.node_M], quota[net.rep_M])
+    np.add.at(load_D, net.rank_D[net.node_R], quota[net.rep_R])
     return _result(quota, load_D, t_int, T, flows)
 
 
@@ -110,31 +112,33 @@ def _result(quota, load_D, t_int, t_frac, flows=0) -> MinMaxResult:
 class _Network:
     """The flow network of the flexible experts, built once and re-solved for every T.
 
-    Nodes: 0 source, 1..K experts, K+1..K+P ranks, K+P+1 sink. Edge 2i and its reverse 2i+1:
-    source->expert k (i = k), expert->host (i = K + m for flexible replica m), rank->sink (i = K + M + j).
+    E, R, D count the flexible experts, their replicas and the ranks hosting them (module docstring);
+    the arguments rank_all_R and base_all_D cover the whole placement.
+    Nodes: 0 source, 1..E experts, E+1..E+D ranks, E+D+1 sink. Edge 2i and its reverse 2i+1:
+    source->expert k (i = k), expert->host (i = E + m for flexible replica m), rank->sink (i = E + R + j).
     """
 
-    def __init__(self, load_K, ptr_K, n_K, rank_R, base_D):
-        K = load_K.size
-        M = int(n_K.sum())
-        kstart = np.zeros(K + 1, dtype=np.int64)
-        np.cumsum(n_K, out=kstart[1:])
-        k_M = np.repeat(np.arange(K, dtype=np.int64), n_K)
-        self.rep_M = np.arange(M, dtype=np.int64) + np.repeat(ptr_K - kstart[:-1], n_K)
-        rank_M = rank_R[self.rep_M]
-        hosts = np.zeros(base_D.size, dtype=bool)
-        hosts[rank_M] = True
-        self.rank_P = np.flatnonzero(hosts)  # ascending: node order does not depend on replica order
-        self.node_M = (np.cumsum(hosts) - 1)[rank_M]
-        P = self.rank_P.size
-        self.K, self.M, self.P = K, M, P
-        self.k_M, self.kstart = k_M, kstart
-        self.load_K, self.base_P = load_K, base_D[self.rank_P]
+    def __init__(self, load_E, ptr_E, n_E, rank_all_R, base_all_D):
+        E = load_E.size
+        R = int(n_E.sum())
+        kstart = np.zeros(E + 1, dtype=np.int64)
+        np.cumsum(n_E, out=kstart[1:])
+        k_R = np.repeat(np.arange(E, dtype=np.int64), n_E)
+        self.rep_R = np.arange(R, dtype=np.int64) + np.repeat(ptr_E - kstart[:-1], n_E)
+        rank_R = rank_all_R[self.rep_R]
+        hosts = np.zeros(base_all_D.size, dtype=bool)
+        hosts[rank_R] = True
+        self.rank_D = np.flatnonzero(hosts)  # ascending: node order does not depend on replica order
+        self.node_R = (np.cumsum(hosts) - 1)[rank_R]
+        D = self.rank_D.size
+        self.E, self.R, self.D = E, R, D
+        self.k_R, self.kstart = k_R, kstart
+        self.load_E, self.base_D = load_E, base_all_D[self.rank_D]
         # Python-int copies: the flow loops run on lists, which are much faster to index than arrays
-        self.load, self.base = load_K.tolist(), self.base_P.tolist()
-        self.k_list, self.node_list, self.kstart_list = k_M.tolist(), self.node_M.tolist(), kstart.tolist()
+        self.load, self.base = load_E.tolist(), self.base_D.tolist()
+        self.k_list, self.node_list, self.kstart_list = k_R.tolist(), self.node_R.tolist(), kstart.tolist()
         self.flex_total = sum(self.load)
-        self.n, self.t = K + P + 2, K + P + 1
+        self.n, self.t = E + D + 2, E + D + 1
         self._graph: tuple | None = None
         self.f: list[int] = []  # flow per flexible replica after the last solve, in units of 1/q
         self.q = 0  # units of the last solve (0: none yet)
@@ -144,25 +148,25 @@ class _Network:
         """(adj, to): adjacency edge lists per node and edge heads; built only when the greedy start
         leaves something for Dinic to do."""
         if self._graph is None:
-            K, M, P, t = self.K, self.M, self.P, self.t
-            to = np.empty(2 * (K + M + P), dtype=np.int64)
-            to[0:2 * K:2] = 1 + np.arange(K)
-            to[1:2 * K:2] = 0
-            to[2 * K:2 * (K + M):2] = 1 + K + self.node_M
-            to[2 * K + 1:2 * (K + M):2] = 1 + self.k_M
-            to[2 * (K + M)::2] = t
-            to[2 * (K + M) + 1::2] = 1 + K + np.arange(P)
-            rep_edges = list(range(2 * K, 2 * (K + M), 2))
+            E, R, D, t = self.E, self.R, self.D, self.t
+            to = np.empty(2 * (E + R + D), dtype=np.int64)
+            to[0:2 * E:2] = 1 + np.arange(E)
+            to[1:2 * E:2] = 0
+            to[2 * E:2 * (E + R):2] = 1 + E + self.node_R
+            to[2 * E + 1:2 * (E + R):2] = 1 + self.k_R
+            to[2 * (E + R)::2] = t
+            to[2 * (E + R) + 1::2] = 1 + E + np.arange(D)
+            rep_edges = list(range(2 * E, 2 * (E + R), 2))
             ks = self.kstart_list
             # experts: hosts first (the edge back to the source never lies on a level path)
-            adj = [list(range(0, 2 * K, 2))]
-            adj += [rep_edges[ks[k]:ks[k + 1]] + [2 * k + 1] for k in range(K)]
-            by_rank = np.argsort(self.node_M, kind="stable")
-            rs = np.searchsorted(self.node_M[by_rank], np.arange(P + 1)).tolist()
-            back = (2 * K + 2 * by_rank + 1).tolist()
+            adj = [list(range(0, 2 * E, 2))]
+            adj += [rep_edges[ks[k]:ks[k + 1]] + [2 * k + 1] for k in range(E)]
+            by_rank = np.argsort(self.node_R, kind="stable")
+            rs = np.searchsorted(self.node_R[by_rank], np.arange(D + 1)).tolist()
+            back = (2 * E + 2 * by_rank + 1).tolist()
             # ranks: the sink first, so augmenting paths end as soon as they can
-            adj += [[2 * (K + M + j)] + back[rs[j]:rs[j + 1]] for j in range(P)]
-            adj.append(list(range(2 * (K + M) + 1, 2 * (K + M + P), 2)))
+            adj += [[2 * (E + R + j)] + back[rs[j]:rs[j + 1]] for j in range(D)]
+            adj.append(list(range(2 * (E + R) + 1, 2 * (E + R + D), 2)))
             self._graph = (adj, to.tolist())
         return self._graph
 
@@ -174,20 +178,20 @@ class _Network:
         feasible and is the start; the first call starts from a first-fit greedy flow. Leaves the
         replica flows in self.f and the last BFS levels (the min cut's source side) in self.level.
         """
-        K, M, P = self.K, self.M, self.P
+        E, R, D = self.E, self.R, self.D
         q0, p, q = self.q, T.numerator, T.denominator
         src = [q * x for x in self.load]
         res = [p - q * b for b in self.base]
         if q0:
             f = [x * q // q0 for x in self.f]
-            out = [0] * K
+            out = [0] * E
             for m, a in enumerate(f):
                 out[self.k_list[m]] += a
                 res[self.node_list[m]] -= a
         else:
-            f, out = [0] * M, [0] * K
+            f, out = [0] * R, [0] * E
             node, ks = self.node_list, self.kstart_list
-            for k in range(K):
+            for k in range(E):
                 r = src[k]
                 for m in range(ks[k], ks[k + 1]):
                     c = res[node[m]]
@@ -205,33 +209,33 @@ class _Network:
             self.f = f
             return True
         inf = q * self.flex_total + 1
-        cap = [0] * (2 * (K + M + P))
-        cap[0:2 * K:2] = [s - o for s, o in zip(src, out)]
-        cap[1:2 * K:2] = out
-        cap[2 * K:2 * (K + M):2] = [inf - a for a in f]
-        cap[2 * K + 1:2 * (K + M):2] = f
-        cap[2 * (K + M)::2] = res
-        cap[2 * (K + M) + 1::2] = [p - q * b - r for b, r in zip(self.base, res)]
+        cap = [0] * (2 * (E + R + D))
+        cap[0:2 * E:2] = [s - o for s, o in zip(src, out)]
+        cap[1:2 * E:2] = out
+        cap[2 * E:2 * (E + R):2] = [inf - a for a in f]
+        cap[2 * E + 1:2 * (E + R):2] = f
+        cap[2 * (E + R)::2] = res
+        cap[2 * (E + R) + 1::2] = [p - q * b - r for b, r in zip(self.base, res)]
         adj, to = self.graph()
         pushed, self.level = _dinic(self.n, 0, self.t, adj, to, cap, need)
-        self.f = cap[2 * K + 1:2 * (K + M):2]  # flow of a replica edge = its reverse residual
+        self.f = cap[2 * E + 1:2 * (E + R):2]  # flow of a replica edge = its reverse residual
         return pushed == need
 
-    def flow_M(self) -> np.ndarray:
-        """int64 [M]: flow on every flexible replica (scaled units of the last solve)."""
+    def flow_R(self) -> np.ndarray:
+        """int64 [R]: flow on every flexible replica (scaled units of the last solve)."""
         return np.asarray(self.f, dtype=np.int64)
 
     def cut_ratio(self) -> Fraction:
-        """w(Q) / |Q| for Q = ranks on the source side of the last (infeasible) solve's min cut."""
-        K, P = self.K, self.P
-        return self.set_ratio(np.asarray(self.level[K + 1:K + 1 + P]) >= 0)
+        """w(X) / |X| for X = ranks on the source side of the last (infeasible) solve's min cut."""
+        E, D = self.E, self.D
+        return self.set_ratio(np.asarray(self.level[E + 1:E + 1 + D]) >= 0)
 
-    def set_ratio(self, in_P: np.ndarray) -> Fraction:
-        """w(Q) / |Q| for the rank nodes Q marked in in_P (bool [P], not all False)."""
-        hosts_in = np.bincount(self.k_M[in_P[self.node_M]], minlength=self.K)
-        inside = hosts_in == np.diff(self.kstart)  # every host of the expert lies in Q
-        w = int(self.base_P[in_P].sum()) + int(self.load_K[inside].sum())
-        return Fraction(w, int(in_P.sum()))
+    def set_ratio(self, in_D: np.ndarray) -> Fraction:
+        """w(X) / |X| for the rank nodes X marked in in_D (bool [D], not all False)."""
+        hosts_in = np.bincount(self.k_R[in_D[self.node_R]], minlength=self.E)
+        inside = hosts_in == np.diff(self.kstart)  # every host of the expert lies in X
+        w = int(self.base_D[in_D].sum()) + int(self.load_E[inside].sum())
+        return Fraction(w, int(in_D.sum()))
 
 
 def _dinic(n: int, s: int, t: int, adj: list, to: list, cap: list, need: int):

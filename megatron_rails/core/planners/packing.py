@@ -1,6 +1,6 @@
 """Shared building blocks of the replicating planners: how many replicas each expert gets, and where.
 
-Legend: D ranks, E experts, I replica items to place.
+Legend: D ranks, E experts; the replica items to place are spelled out (items, n_items of them).
 """
 from __future__ import annotations
 
@@ -53,24 +53,24 @@ def lpt_place(item_expert: np.ndarray, item_load: np.ndarray, rank_load_D: np.nd
               hosted_DE: np.ndarray, free_D: np.ndarray) -> np.ndarray:
     """Longest-processing-time placement of replica items onto ranks.
 
-    item_expert, item_load: int64 [I], items already sorted by load, heaviest first.
+    item_expert, item_load: int64 [items], items already sorted by load, heaviest first.
     rank_load_D: int64 [D] load already on each rank; hosted_DE: bool [D, E] experts already there;
     free_D: int64 [D] free slots. All three are updated in place.
-    Returns int64 [I]: the rank of every item, or -1 where no rank with a free slot lacks that
+    Returns int64 [items]: the rank of every item, or -1 where no rank with a free slot lacks that
     expert (the caller serves those tokens with the expert's other replicas).
 
     Items go in rounds: each round hands the next heaviest items, one per rank, to the ranks with
     the least load; a rank that already hosts an item's expert swaps with a later item of the round.
     """
-    I = item_expert.size
-    out = np.full(I, -1, dtype=np.int64)
+    n_items = item_expert.size
+    out = np.full(n_items, -1, dtype=np.int64)
     pos = 0
-    while pos < I:
+    while pos < n_items:
         ranks = np.flatnonzero(free_D > 0)
         if ranks.size == 0:
             break
         ranks = ranks[np.argsort(rank_load_D[ranks], kind="stable")]
-        m = min(ranks.size, I - pos)
+        m = min(ranks.size, n_items - pos)
         exp = item_expert[pos:pos + m]
         dst = ranks[:m].copy()
         bad = np.flatnonzero(hosted_DE[dst, exp])
