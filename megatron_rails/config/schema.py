@@ -1,7 +1,7 @@
 """Checking YAML data against frozen dataclasses: types, choices, minimums, unknown keys with a
 did-you-mean hint, `key.sub=value` overrides. Every message names the file and the dotted key.
 
-Field metadata read here (set by runconfig._f): doc, choices, min. Annotations understood: int, float,
+Field metadata read here (set by config/run.py `_f`): doc, choices, min. Annotations understood: int, float,
 bool, str, list[str] and `X | None`. Floats also accept strings such as "3e-4" (PyYAML reads an exponent
 without a dot as text).
 """

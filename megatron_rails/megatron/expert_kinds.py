@@ -1,6 +1,6 @@
 """Per-expert access to Megatron-Core's expert modules: one adapter per module kind.
 
-The expert stores (experts.py) move single experts around as flat vectors and compute replica /
+The expert stores (runtime/experts.py) move single experts around as flat vectors and compute replica /
 FSEP slots with borrowed weights; what an "expert" is inside each Megatron-Core module lives here:
 
 | kind            | module (megatron-core)                      | expert i's tensors                              |
