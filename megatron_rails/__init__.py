@@ -24,6 +24,23 @@ def uninstall():
     _uninstall()
 
 
+def no_sync():
+    """Context manager: slot weight gradients accumulate locally inside (every microbatch of an
+    optimizer step but the last, like data-parallel no_sync); the first backward outside returns
+    them to their owners. Megatron DDP's own no_sync() enters it for you once installed."""
+    from .runtime.residency import no_sync as _no_sync
+
+    return _no_sync()
+
+
+def new_step():
+    """Tell megatron-rails the expert weights changed by a path no torch optimizer step covers: the
+    next forward fetches the slots afresh."""
+    from .runtime.residency import new_step as _new_step
+
+    _new_step()
+
+
 def metrics_summary(model):
     """The latest per-layer metrics of every megatron-rails MoE layer in `model` (a module or a list
     of model chunks): {layer number: the dispatcher's latest record}. See megatron/layers.py."""

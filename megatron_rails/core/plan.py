@@ -236,6 +236,16 @@ class Placement:
             return np.ones(self.num_replicas, dtype=bool)
         return self.replica_slot_R >= self.owner_slots
 
+    def move_bytes(self, expert_param_bytes: int, moves: int | None = None) -> int:
+        """Expert-weight bytes sent over the network to materialize `moves` replicas (default: every
+        moved replica). An owner-layout replica is one full copy; an FSEP slot gathers the (D-1)/D of
+        the expert held as shards elsewhere."""
+        n = int(self.is_moved_R.sum()) if moves is None else int(moves)
+        if self.layout == SHARDED:
+            D = self.num_ranks
+            return int(n * expert_param_bytes * (D - 1) // D)
+        return int(n * expert_param_bytes)
+
     def digest(self) -> str:
         h = hashlib.sha256()
         h.update(f"placement|{self.layout}|{self.num_experts}|{self.ranks_per_node}|{self.owner_slots}|".encode())
@@ -454,13 +464,9 @@ class Plan:
         return int((self.placement.is_moved_R & (self.quota_R > 0)).sum())
 
     def weight_bytes(self, expert_param_bytes: int) -> int:
-        """Expert-weight bytes moved over the network for this plan. An owner-layout replica is one
-        full copy; an FSEP slot gathers the (D-1)/D of the expert held as shards elsewhere."""
-        p = self.placement
-        if p.layout == SHARDED:
-            D = p.num_ranks
-            return int(self.weight_moves * expert_param_bytes * (D - 1) // D)
-        return int(self.weight_moves * expert_param_bytes)
+        """Expert-weight bytes moved over the network for this plan's replicas with tokens (see
+        Placement.move_bytes)."""
+        return self.placement.move_bytes(expert_param_bytes, self.weight_moves)
 
     def digest(self) -> str:
         """Stable hex digest of placement, counts and quotas (identical across ranks and processes);

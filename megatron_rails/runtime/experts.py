@@ -8,9 +8,10 @@ Both work on any expert module an adapter (runtime/expert_kind.py's interface; t
 ones are in megatron/expert_kinds.py) describes: which views of the stock parameters make up
 expert i and how one expert computes; nothing here knows a module's parameter layout.
 
-Replica weights travel as one flat vector per replica through a differentiable all-to-all, so in
-backward the replica weight gradients flow back through the reverse exchange and are summed into
-the owner's parameters by autograd, in a fixed order (same graph, same order on every run).
+Slot weights are resident for an optimizer step (runtime/residency.py): `open_window` fetches
+every slot of a placement once, as one flat vector per slot, `slot_params` hands one microbatch
+its slots' parameters through one autograd node, and `flush` returns the accumulated slot
+gradients to the owners (shards) by the reverse exchange, summed in a fixed order.
 
 Shape letters (docs/architecture.md): W parameters of one expert (flat), N tokens of one slot, H hidden
 size, E experts, D EP ranks; a shard row holds ceil(W/D) of an expert's parameters.
@@ -20,9 +21,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..core.plan import Plan, owner_of_experts
+from ..core.plan import Placement, owner_of_experts
+from . import residency
 from .expert_kind import ExpertKind
 from .local import permutation_and_inverse
+from .residency import ResidentSlots, Window
 
 
 def _slot_major(got: torch.Tensor, D: int, n: int) -> torch.Tensor:
@@ -35,24 +38,6 @@ def _rank_major(flat: torch.Tensor, D: int) -> torch.Tensor:
     """The inverse of _slot_major: [n, D * shard] -> [D * n, shard], shard k of every slot for rank k."""
     n, shard = flat.shape[0], flat.shape[1] // D
     return flat.view(n, D, shard).transpose(0, 1).reshape(D * n, shard)
-
-
-class _ToMainGrad(torch.autograd.Function):
-    """Identity on a view of an owner parameter whose gradient goes straight into the same view of
-    `param.main_grad`. Megatron's DDP adds `param.grad` to `main_grad` only when the module did not
-    accumulate into `main_grad` itself (`grad_added_to_main_grad`, Transformer Engine's fused wgrad
-    accumulation); adding the replicas' share directly is right in both cases. The owner's
-    AccumulateGrad node still waits for this backward, so DDP's grad-ready hook fires after it."""
-
-    @staticmethod
-    def forward(ctx, t, main_grad_view):
-        ctx.main_grad_view = main_grad_view
-        return t.view_as(t)
-
-    @staticmethod
-    def backward(ctx, grad):
-        ctx.main_grad_view.add_(grad)
-        return None, None
 
 
 class ExpertStore:
@@ -78,6 +63,8 @@ class ExpertStore:
         self.names = list(self.kind.slot_names)
         self.shapes = [t.shape for t in first]
         self.numels = [t.numel() for t in first]
+        self.window: Window | None = None  # the resident slots (runtime/residency.py)
+        residency.register(self)
 
     @property
     def flat_size(self) -> int:
@@ -90,7 +77,10 @@ class ExpertStore:
         ref = next(iter(self.params.values()))
         return self.flat_size * ref.element_size()
 
-    def _before_read(self) -> None:
+    def refresh(self) -> None:
+        """Let the framework finish pending updates of the weights before they are read (see
+        before_read). Called every microbatch, so that data-parallel replicas, whose plans differ,
+        wait for the same all-gathers at the same point."""
         if self.before_read is not None:
             self.before_read(self.experts)
 
@@ -100,55 +90,122 @@ class ExpertStore:
         get = source if source is not None else self.params.__getitem__
         return [view(get(name)) for name, view in self.kind.slices(expert - self.first_local)]
 
-    def flat(self, expert: int) -> torch.Tensor:
-        """float [W]: owner expert's parameters as one differentiable vector."""
-        i = expert - self.first_local
-        parts = []
-        for name, view in self.kind.slices(i):
-            p, t = self.params[name], view(self.params[name])
-            main_grad = getattr(p, "main_grad", None)
-            if main_grad is not None and p.requires_grad and torch.is_grad_enabled():
-                t = _ToMainGrad.apply(t, view(main_grad))
-            parts.append(t.reshape(-1))
-        return torch.cat(parts)
+    def sources(self) -> list[torch.Tensor]:
+        """The trainable tensors slot weights come from and their gradients go to: the stock
+        parameters (ResidentSlots' autograd inputs)."""
+        return [p for p in self.params.values() if p.requires_grad]
+
+    @property
+    def acc_dtype(self) -> torch.dtype:
+        """Slot gradients accumulate in the dtype the framework accumulates the sources' gradients in
+        (Megatron DDP's main_grad, fp32), else the sources' own."""
+        src = self.sources() or list(self.params.values())
+        main_grad = getattr(src[0], "main_grad", None)
+        return main_grad.dtype if main_grad is not None else src[0].dtype
+
+    def key(self) -> tuple:
+        """What the resident weights were fetched under: the residency epoch and the version counters
+        of the source tensors (both move when the weights change)."""
+        return residency.epoch(), sum(t._version for t in self.params.values())
+
+    def stale(self) -> bool:
+        return self.window is not None and self.window.key != self.key()
+
+    def drop_window(self) -> None:
+        if self.window is not None and self.window.pending:
+            residency.stale_warning(self)
+        self.window = None
+
+    def _flat(self, expert: int) -> torch.Tensor:
+        """float [W]: owner expert's parameters as one vector (a copy)."""
+        return torch.cat([t.detach().reshape(-1) for t in self._views(expert)])
 
     def unflatten(self, vec_W: torch.Tensor) -> dict[str, torch.Tensor]:
         return {n: t.view(s) for n, t, s in zip(self.names, torch.split(vec_W, self.numels), self.shapes)}
 
-    def fetch(self, plan: Plan, exchange) -> tuple[dict[int, dict[str, torch.Tensor]], torch.Tensor | None]:
-        """Bring the weights of this rank's active replica slots from their owners.
-
-        exchange(x, send_D, recv_D, traffic_DD): the all-to-all to use. Every rank calls this with the same
-        plan. Returns ({slot: parameter dict}, an empty anchor tensor, or None when no rank
-        exchanged weights). The caller must keep the anchor in the autograd graph (its sum is 0),
-        so that every rank joins the reverse exchange in backward, with or without slots.
-        """
-        # the owners' weights as the optimizer left them; on every call, so that data-parallel
-        # replicas (whose plans differ) wait for the same all-gathers at the same point
-        self._before_read()
-        p = plan.placement
-        active = np.flatnonzero(p.is_moved_R & (plan.quota_R > 0))
-        if active.size == 0:
-            return {}, None
+    @torch.no_grad()
+    def open_window(self, placement: Placement, exchange) -> Window:
+        """Fetch every moved replica of `placement` from its owner, once (collective; every rank calls
+        it with the same placement). exchange(x, send_D, recv_D, traffic_DD): the all-to-all."""
+        p = placement
         D, me = self.num_ranks, self.rank
-        owner = self.owner_E[p.replica_expert_R[active]]
-        dest, slot = p.replica_rank_R[active], p.replica_slot_R[active]
-        send = active[owner == me]
+        moved = np.flatnonzero(p.is_moved_R)
+        owner = self.owner_E[p.replica_expert_R[moved]]
+        dest, slot = p.replica_rank_R[moved], p.replica_slot_R[moved]
+        send = moved[owner == me]
         send = send[np.lexsort((p.replica_slot_R[send], p.replica_rank_R[send]))]
-        recv_mask = dest == me
-        recv = active[recv_mask][np.lexsort((slot[recv_mask], owner[recv_mask]))]
-        send_D = np.bincount(p.replica_rank_R[send], minlength=D)
-        recv_D = np.bincount(self.owner_E[p.replica_expert_R[recv]], minlength=D)
+        mine = dest == me
+        recv = moved[mine][np.lexsort((slot[mine], owner[mine]))]  # the order the exchange delivers
+        send_D = np.bincount(p.replica_rank_R[send], minlength=D).tolist()
+        recv_D = np.bincount(self.owner_E[p.replica_expert_R[recv]], minlength=D).tolist()
+        send_experts = p.replica_expert_R[send]
         ref = next(iter(self.params.values()))
-        if send.size:
-            buf = torch.stack([self.flat(int(e)) for e in p.replica_expert_R[send]])
-        else:
-            buf = ref.new_zeros((0, self.flat_size)).requires_grad_(ref.requires_grad)
-        # the whole exchange, known to every rank from the plan (a RailS backend needs it)
+        buf = torch.stack([self._flat(int(e)) for e in send_experts]) if send.size else \
+            ref.new_zeros((0, self.flat_size))
+        # the whole exchange, known to every rank from the placement (a RailS backend needs it)
         traffic_DD = np.zeros((D, D), dtype=np.int64)
         np.add.at(traffic_DD, (owner, dest), 1)
-        got = exchange(buf, send_D.tolist(), recv_D.tolist(), traffic_DD)
-        return {int(s): self.unflatten(got[i]) for i, s in enumerate(p.replica_slot_R[recv])}, got[:0]
+        got_NW = exchange(buf, send_D, recv_D, traffic_DD) if moved.size else buf
+        self.window = Window(p, self.key(), got_NW, p.replica_slot_R[recv].astype(np.int64), bool(moved.size),
+                             route=dict(exchange=exchange, send_D=send_D, recv_D=recv_D, traffic_DD=traffic_DD,
+                                        send_experts=send_experts))
+        return self.window
+
+    def slot_params(self, placement: Placement) -> tuple[dict[int, dict[str, torch.Tensor]], torch.Tensor | None]:
+        """The resident slots' parameters for one microbatch on `placement`: ({slot: {name: tensor}},
+        anchor). With gradients on, they come through one ResidentSlots node and the anchor (an empty
+        tensor) must join the layer output, so that every rank runs that node in backward; else
+        anchor is None. A replayed plan from an earlier placement without moved slots gets none."""
+        w = self.window
+        if w is None or not w.moved or (placement is not w.placement and placement.digest() != w.placement.digest()):
+            return {}, None
+        sources = self.sources()
+        if torch.is_grad_enabled() and any(t.requires_grad for t in sources):
+            anchor, *pieces = ResidentSlots.apply(w, self, *sources)
+        else:
+            anchor = None
+            pieces = [t for row in w.weights_NW for t in torch.split(row[:self.flat_size], self.numels)]
+        k = len(self.names)
+        return {int(s): {n: t.view(shape) for n, t, shape in zip(self.names, pieces[i * k:(i + 1) * k], self.shapes)}
+                for i, s in enumerate(w.slots_N)}, anchor
+
+    def _return_grads(self, window: Window) -> torch.Tensor:
+        """The reverse of the window's fetch: every slot's accumulated gradient goes to the rank it
+        came from. Returns what this rank receives; the window owes nothing afterwards."""
+        r = window.route
+        acc = window.acc_NW if window.acc_NW is not None else \
+            window.weights_NW.new_zeros(window.weights_NW.shape, dtype=self.acc_dtype)
+        back = r["exchange"](acc, r["recv_D"], r["send_D"], np.ascontiguousarray(r["traffic_DD"].T))
+        window.acc_NW, window.pending = None, False
+        return back
+
+    @torch.no_grad()
+    def flush(self, window: Window, in_graph: bool) -> list:
+        """Return the window's slot gradients to the owners (collective). Each owner adds what it
+        receives into its parameters' `main_grad` where the framework keeps one; otherwise, in a
+        backward pass (in_graph), into the gradients returned here for sources(), else into `.grad`."""
+        back_NW = self._return_grads(window)
+        grads: dict[str, torch.Tensor] = {}
+        for row, e in zip(back_NW, window.route["send_experts"]):
+            for (name, view), piece in zip(self.kind.slices(int(e) - self.first_local), torch.split(row, self.numels)):
+                p = self.params[name]
+                if not p.requires_grad:
+                    continue
+                target = getattr(p, "main_grad", None)
+                if target is None and in_graph:
+                    target = grads.setdefault(name, torch.zeros_like(p))
+                elif target is None:
+                    if p.grad is None:
+                        p.grad = torch.zeros_like(p)
+                    target = p.grad
+                t = view(target)
+                t.add_(piece.view(t.shape))
+        return [grads.get(n) for n, p in self.params.items() if p.requires_grad]
+
+    def idle_grads(self) -> list:
+        """The sources' gradients from a backward that owes its slot gradients for later: none (the
+        owners get their own from the stock experts)."""
+        return [None] * len(self.sources())
 
     def compute(self, params: dict[str, torch.Tensor], x_NH: torch.Tensor, probs_N: torch.Tensor) -> torch.Tensor:
         """One expert with borrowed weights: the stock module's math for that expert, probs applied."""
@@ -160,8 +217,8 @@ class ShardedExpertStore(ExpertStore):
     (`shards` float [E, ceil(W/D)], a Parameter registered on the experts module); the stock
     expert parameters are kept only as the checkpoint view and no longer train.
 
-    Each step the plan's slots are materialized by one all-to-all of shards; in backward the slot
-    weight gradients travel back the same way and land in the shards. `state_dict()` of the layer
+    A step's slots are materialized by one all-to-all of shards (open_window); their accumulated
+    weight gradients travel back the same way and land in the shards (flush). `state_dict()` of the layer
     writes the current shards back into the stock parameters first (a collective: every rank
     saves), and `load_state_dict()` re-shards them, so checkpoints keep the stock layout.
     """
@@ -265,67 +322,69 @@ class ShardedExpertStore(ExpertStore):
             keys.missing_keys.remove(k)
         self.load_from_owners()
 
-    def fetch(self, plan: Plan, exchange):
-        """Materialize this rank's active slots from every rank's shards (see ExpertStore.fetch).
-        Returns ({slot: parameter dict}, an empty anchor tensor to keep in the graph)."""
-        p = plan.placement
-        self._before_read()  # the shards as the optimizer left them (see ExpertStore.fetch)
-        active = np.flatnonzero(plan.quota_R > 0)
-        if active.size == 0:
-            return {}, None
-        active = active[np.lexsort((p.replica_slot_R[active], p.replica_rank_R[active]))]
+    def sources(self) -> list[torch.Tensor]:
+        return [self.shards]
+
+    def key(self) -> tuple:
+        return residency.epoch(), self.shards._version
+
+    @torch.no_grad()
+    def open_window(self, placement: Placement, exchange) -> Window:
+        """Materialize every slot of `placement` from every rank's shards, once (collective)."""
+        p = placement
         D, me = self.num_ranks, self.rank
-        dest = p.replica_rank_R[active]
-        experts = p.replica_expert_R[active]
-        # my shard of every active slot, by (rank, slot): the shards as they are when every expert
-        # has one slot, in expert order (the common case: no gather, no scatter in backward)
-        idx = None if np.array_equal(experts, np.arange(self.num_experts)) else _ShardRows(experts, self.num_experts,
-                                                                                         self.shards.device)
-        mine = active[dest == me]
+        order = np.lexsort((p.replica_slot_R, p.replica_rank_R))  # every slot, by (rank, slot)
+        dest, experts = p.replica_rank_R[order], p.replica_expert_R[order]
+        mine = dest == me
+        n_mine = int(mine.sum())
+        # my shard of every slot; the shards as they are when every expert has one slot, in expert
+        # order (the common case: no gather now, no scatter when gradients return)
+        idx = None if np.array_equal(experts, np.arange(self.num_experts)) else \
+            _ShardRows(experts, self.num_experts, self.shards.device)
         n_send = np.bincount(dest, minlength=D)
-        traffic_DD = np.broadcast_to(n_send, (D, D))  # every rank sends its shard of every active slot
-        anchor, *tensors = _Materialize.apply(self.shards, idx, exchange, n_send.tolist(), int(mine.size),
-                                              traffic_DD, self.flat_size, self.numels)
-        k = len(self.names)
-        return {int(s): {n: t.view(shape) for n, t, shape in zip(self.names, tensors[i * k:(i + 1) * k], self.shapes)}
-                for i, s in enumerate(p.replica_slot_R[mine])}, anchor
+        traffic_DD = np.broadcast_to(n_send, (D, D))  # every rank sends its shard of every slot
+        buf = self.shards.detach() if idx is None else self.shards.detach().index_select(0, idx.rows)
+        got = exchange(buf, n_send.tolist(), [n_mine] * D, traffic_DD)  # [D * n_mine, shard], by source
+        self.window = Window(p, self.key(), _slot_major(got, D, n_mine), p.replica_slot_R[order][mine].astype(np.int64),
+                             bool(order.size), route=dict(exchange=exchange, idx=idx, n_send=n_send.tolist(),
+                                                          n_mine=n_mine, traffic_DD=traffic_DD))
+        return self.window
 
+    def _return_grads(self, window: Window) -> torch.Tensor:
+        """Every slot's accumulated gradient, cut into D shards, back to the shard holders:
+        float [E, ceil(W/D)], this rank's shards' gradients."""
+        r, D = window.route, self.num_ranks
+        acc = window.acc_NW if window.acc_NW is not None else \
+            window.weights_NW.new_zeros(window.weights_NW.shape, dtype=self.acc_dtype)
+        back = r["exchange"](_rank_major(acc, D), [r["n_mine"]] * D, r["n_send"],
+                             np.ascontiguousarray(r["traffic_DD"].T))
+        window.acc_NW, window.pending = None, False
+        return back.view(self.shards.shape) if r["idx"] is None else r["idx"].scatter(back)
 
-class _Materialize(torch.autograd.Function):
-    """FSEP slots from shards through one exchange, as one autograd node.
+    @torch.no_grad()
+    def flush(self, window: Window, in_graph: bool) -> list:
+        """Return the window's slot gradients to the shards (collective): into `main_grad` where the
+        framework keeps one, else as the shards' gradient (in_graph) or into `.grad`."""
+        grad = self._return_grads(window)
+        shards = self.shards
+        main_grad = getattr(shards, "main_grad", None)
+        if main_grad is not None:
+            main_grad.add_(grad)
+            return self.idle_grads()
+        if in_graph:
+            return [grad.to(shards.dtype)]
+        shards.grad = grad.to(shards.dtype) if shards.grad is None else shards.grad.add_(grad)
+        return []
 
-    forward: shards [E, shard] -> (empty anchor, then for each of this rank's n slots the flat
-    pieces of its parameters). backward: the slot gradients go straight into the reverse
-    exchange's send buffer, and what comes back lands on the shards. (Slicing the gathered buffer
-    with differentiable views instead costs a zero-filled full-size gradient per view.) Every rank
-    with active slots anywhere runs this node in backward through the anchor, even with n = 0."""
-
-    @staticmethod
-    def forward(ctx, shards, idx, exchange, n_send, n_mine, traffic_DD, flat_size, numels):
-        D = len(n_send)
-        buf = shards if idx is None else shards.index_select(0, idx.rows)
-        got = exchange(buf, n_send, [n_mine] * D, traffic_DD)  # [D * n, shard], by source
-        full = _slot_major(got, D, n_mine)
-        ctx.meta = (idx, exchange, n_send, n_mine, traffic_DD, shards, numels, flat_size)
-        ctx.set_materialize_grads(False)
-        pieces = [t for i in range(n_mine) for t in torch.split(full[i, :flat_size], numels)]
-        return (full.new_empty(0), *pieces)
-
-    @staticmethod
-    def backward(ctx, _anchor_grad, *grads):
-        idx, exchange, n_send, n_mine, traffic_DD, shards, numels, flat_size = ctx.meta
-        D, shard = len(n_send), shards.shape[1]
-        flat = shards.new_empty((n_mine, D * shard))
-        flat[:, flat_size:] = 0  # the padding of the last shard
-        k = len(numels)
-        for i in range(n_mine):
-            for g, piece in zip(grads[i * k:(i + 1) * k], torch.split(flat[i, :flat_size], numels)):
-                if g is None:  # a parameter that took no part (ctx.set_materialize_grads(False))
-                    piece.zero_()
-                else:
-                    piece.copy_(g.reshape(-1))
-        back = exchange(_rank_major(flat, D), [n_mine] * D, n_send, np.ascontiguousarray(traffic_DD.T))  # my shard of each slot
-        return (back.view(shards.shape) if idx is None else idx.scatter(back)), None, None, None, None, None, None, None
+    def idle_grads(self) -> list:
+        """The shards' gradient from a backward that adds nothing now. Megatron DDP's gradient-ready
+        hook asserts a gradient exists under overlap_grad_reduce, so where a main_grad exists the
+        shards get zeros (stride 0, and marked as already in main_grad so DDP skips adding them)."""
+        shards = self.shards
+        if getattr(shards, "main_grad", None) is None:
+            return [None]
+        shards.grad_added_to_main_grad = True
+        return [shards.new_zeros(()).expand(shards.shape)]
 
 
 class _ShardRows:

@@ -39,6 +39,7 @@ import torch.distributed as dist
 
 from ..core.plan import SHARDED, Plan, PlanError, imbalance, stock_load_D
 from ..core.planners import make_planner
+from ..core.planners.step import choose
 from ..core.policy import PolicyConfig
 from .comm import all_gather_counts, collective_device, make_comm
 from .expert_kind import ExpertKind
@@ -114,37 +115,58 @@ class LayerRuntime:
             self.store = ExpertStore(kind, self.num_experts, self.rank, self.num_ranks, before_read)
 
     # -- 1. plan and order ------------------------------------------------------------------------
-    def dispatch(self, x_TH: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor):
+    def dispatch(self, x_TH: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor,
+                 training: Optional[bool] = None):
         """x_TH [T, H]; routing_map bool [T, E]; probs float [T, E] -> (x_P [P, H], probs_P [P], the
-        step's metric record or None for a replay)."""
+        step's metric record or None for a replay). training: whether this forward trains (its
+        gradients will be owed; default: autograd is recording), which pins the resident placement
+        until the optimizer step."""
         t0 = time.perf_counter()
         counts_DE = all_gather_counts(routing_map.sum(dim=0), self.group)
         t1 = time.perf_counter()
         replay = is_replay()
-        plan = self._plan(counts_DE, replay)
+        self.store.refresh()
+        plan, opened = self._plan(counts_DE, replay)
         t2 = time.perf_counter()
+        window = self.store.window
+        if not replay and window.moved and (training if training is not None else torch.is_grad_enabled()):
+            window.in_flight += 1  # its backward (ResidentSlots') counts it off
         self.plan = plan
         self.sent = order_pairs(plan, self.rank, routing_map, probs)
-        record = None if replay else self._record(plan, counts_DE, (t1 - t0) * 1e6, (t2 - t1) * 1e6, x_TH)
+        record = None if replay else self._record(plan, counts_DE, (t1 - t0) * 1e6, (t2 - t1) * 1e6, x_TH, opened)
         return x_TH[self.sent.token_P], self.sent.probs_P, record
 
-    def _plan(self, counts_DE: np.ndarray, replay: bool) -> Plan:
+    def _plan(self, counts_DE: np.ndarray, replay: bool) -> tuple[Plan, bool]:
+        """The plan for these counts, and whether it opened a new window of resident slots."""
         key = hashlib.blake2b(counts_DE.tobytes(), digest_size=16).digest()
+        store = self.store
+        if store.stale():  # the weights changed (an optimizer step): a new step begins
+            store.drop_window()
+            self._recent.clear()
+        window = store.window
+        resident = window.placement if window is not None else None
         if replay:
             plan = self._recent.get(key)
             if plan is not None:
-                return plan
-            # evicted (more microbatches in flight than kept): plan again without touching the state
-            plan, _ = self.planner.plan(counts_DE, copy.deepcopy(self.state))
+                return plan, False
+            # evicted (more microbatches in flight than kept): plan again without touching the state,
+            # on the resident placement
+            fresh, _ = self.planner.plan(counts_DE, copy.deepcopy(self.state))
+            plan, opened = choose(fresh, resident, counts_DE, locked=True)
         else:
-            plan, self.state = self.planner.plan(counts_DE, self.state)
+            fresh, self.state = self.planner.plan(counts_DE, self.state)
+            plan, opened = choose(fresh, resident, counts_DE, locked=window is not None and window.locked)
         if self.policy.check_plan:
             self._check_plan(plan)
+        if opened:
+            store.drop_window()
+            store.open_window(plan.placement, self.comm.exchange)
+            self._recent.clear()
         self._recent[key] = plan  # only plans that passed the check are replayed
         self._recent.move_to_end(key)
         if len(self._recent) > RECENT_PLANS:
             self._recent.popitem(last=False)
-        return plan
+        return plan, opened
 
     # -- 2. exchange ------------------------------------------------------------------------------
     def exchange_tokens(self, x_P: torch.Tensor, probs_P: torch.Tensor):
@@ -165,7 +187,7 @@ class LayerRuntime:
         self.recv_order, self.recv_inverse, per_slot = receive_order(plan, self.rank, x_Q.device)
         x_Q, probs_Q = rows(x_Q, self.recv_order, self.recv_inverse), rows(probs_Q, self.recv_order, self.recv_inverse)
         n_owner = int(per_slot[:L].sum())
-        weights, anchor = self.store.fetch(plan, self.comm.exchange)
+        weights, anchor = self.store.slot_params(plan.placement)
         self.slot_outs = []
         start = n_owner
         for s in range(L, S):
@@ -221,7 +243,8 @@ class LayerRuntime:
                                     f"(this rank {digest:x}, min {lo[0].item():x}, max {hi[0].item():x}); "
                                     f"token counts or planner state diverged")
 
-    def _record(self, plan: Plan, counts_DE: np.ndarray, gather_us: float, plan_us: float, x_TH) -> dict:
+    def _record(self, plan: Plan, counts_DE: np.ndarray, gather_us: float, plan_us: float, x_TH,
+                opened: bool) -> dict:
         token_bytes = x_TH.element_size() * x_TH.shape[-1]
         send = plan.send_DD
         off_diag = int(send.sum() - np.trace(send))
@@ -247,7 +270,10 @@ class LayerRuntime:
             "tokens_per_rank_after": after_D.tolist(),
             "replicas_used": int(plan.weight_moves),
             "token_bytes_sent": off_diag * token_bytes,
-            "weight_bytes_sent": plan.weight_bytes(expert_bytes),
+            # weights move when a window of resident slots opens (once per optimizer step), not per microbatch
+            "weight_bytes_sent": plan.placement.move_bytes(expert_bytes) if opened else 0,
+            "slots_fetched": opened,
+            "resident_slots": int(plan.placement.is_moved_R.sum()),
             "plan_us": plan_us,
             "count_gather_us": gather_us,
             "layout": "sharded" if plan.placement.layout == SHARDED else "owner",

@@ -1,9 +1,10 @@
 """`fsep` (LAER-MoE's fully sharded expert parallelism): every expert's parameters are sharded over
 all ranks, and each step every rank materializes C = ceil(E/D) + R expert slots chosen from the
-current counts. Replica counts follow load (water-filling), replicas are packed LPT-style, and each
-expert's tokens are split evenly over its replicas, same-node replicas first.
+current counts. Every expert keeps at least one slot; beyond that replica counts follow load
+(water-filling), replicas are packed LPT-style, and each expert's tokens are split evenly over its
+replicas, same-node replicas first.
 
-With a tolerance (PlannerConfig), one replica per loaded expert is tried first: if that plan keeps
+With a tolerance (PlannerConfig), one replica per expert is tried first: if that plan keeps
 max/mean tokens per rank within 1 + tolerance it is used, and fewer weights move; else every slot.
 """
 from __future__ import annotations
@@ -27,20 +28,17 @@ class FsepPlanner(PlannerBase):
         cfg = self.cfg
         D, E, C = cfg.num_ranks, cfg.num_experts, cfg.total_slots
         load_E = counts.sum(axis=0)
-        loaded = load_E > 0
-        if int(loaded.sum()) > D * C:
-            raise PlannerError(f"fsep: {int(loaded.sum())} experts receive tokens but the {D} ranks have only "
-                               f"{D}x{C} = {D * C} slots; raise slots (R) to at least "
-                               f"{-(-int(loaded.sum()) // D) - cfg.owner_slots}")
-        # every loaded expert once, unless one expert alone already exceeds the tolerance
+        # every expert keeps at least one slot, loaded or not: the layout serves the later
+        # microbatches of the optimizer step too (routed on it exactly), whose counts differ.
+        # D * C >= E always (C >= ceil(E/D)), so this never runs out of slots.
+        one_E = np.ones(E, dtype=np.int64)
+        # one replica per expert, unless one expert alone already exceeds the tolerance
         total = int(load_E.sum())
         if cfg.tolerance and self.tolerated(int(load_E.max(initial=0)), total):
-            lean = self._plan(counts, load_E, loaded.astype(np.int64))
+            lean = self._plan(counts, load_E, one_E)
             if self.tolerated(int(lean.load_D.max(initial=0)), total):
                 return lean, None
-        n_E = replica_counts(load_E, D * C, loaded.astype(np.int64), D)
-        n_E[~loaded] = 0
-        return self._plan(counts, load_E, n_E), None
+        return self._plan(counts, load_E, replica_counts(load_E, D * C, one_E, D)), None
 
     def _plan(self, counts: np.ndarray, load_E: np.ndarray, n_E: np.ndarray) -> Plan:
         """The plan with n_E replicas of every expert, LPT-placed."""

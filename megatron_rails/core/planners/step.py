@@ -1,0 +1,60 @@
+"""Plans within one optimizer step: a placement stays resident, the route follows every microbatch.
+
+Owner weights change only at the optimizer step, so replica and FSEP slot weights brought to a rank
+for one microbatch serve every later microbatch of the same step (runtime/residency.py). A step's
+first microbatch takes its planner's plan and the placement becomes resident; later microbatches
+route their tokens exactly on the resident placement (the min-max flow of planners/flow.py, the
+`lp` planner's solver) instead of moving weights again. While no training forward has used the
+resident weights (inference, evaluation) a fresh placement replaces them when it lowers the busiest
+rank by more than `gain` of the mean, which pays for moving its weights.
+
+Legend: D ranks, E experts.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..plan import Placement, Plan, PlanError
+from .flow import min_max_quotas
+
+REPLAN_GAIN = 0.05  # a fresh placement must lower max tokens per rank by this fraction of the mean
+
+
+def hosts_every_loaded(placement: Placement, load_E: np.ndarray) -> bool:
+    """Whether every expert with tokens has a replica in `placement`."""
+    return not bool(((load_E > 0) & (placement.replicas_per_expert_E == 0)).any())
+
+
+def route_on(placement: Placement, counts_DE: np.ndarray, policy: str, info: dict | None = None) -> Plan:
+    """The plan routing counts_DE (int64 [D, E]) on a fixed placement with the smallest possible
+    busiest rank (integer min-max quotas by max-flow). PlanError if a loaded expert is not hosted."""
+    res = min_max_quotas(counts_DE.sum(axis=0), placement)
+    extra = {"resident": True, "t_int": res.t_int}
+    return Plan.trusted(placement, counts_DE, res.quota_R, policy=policy, info={**(info or {}), **extra})
+
+
+def choose(fresh: Plan, resident: Placement | None, counts_DE: np.ndarray, locked: bool,
+           gain: float = REPLAN_GAIN) -> tuple[Plan, bool]:
+    """The plan a microbatch runs, and whether its placement becomes the resident one.
+
+    fresh:    the planner's plan for these counts (its state already advanced).
+    resident: the placement whose weights are resident now, or None (a new optimizer step).
+    locked:   a training forward used the resident weights this step: its gradients are still
+              owed to the owners (or shards), so the resident placement must stay.
+    """
+    if resident is None:
+        return fresh, True
+    if fresh.placement.digest() == resident.digest():
+        return fresh, False
+    if not hosts_every_loaded(resident, fresh.load_E):
+        if locked:  # the planners keep every expert hosted (fsep: one slot each), so never in practice
+            raise PlanError(f"{fresh.policy}: an expert with tokens has no replica in the placement "
+                            f"resident for this optimizer step")
+        return fresh, True
+    on = route_on(resident, counts_DE, fresh.policy, fresh.info)
+    if locked:
+        return on, False
+    mean = fresh.load_D.sum() / max(1, fresh.load_D.size)
+    if int(fresh.load_D.max(initial=0)) < int(on.load_D.max(initial=0)) - gain * mean:
+        return fresh, True
+    return on, False

@@ -1,0 +1,193 @@
+"""Megatron-Core's own DistributedDataParallel, optimizer and no-pipelining schedule, run for real on
+CPU ranks (gloo), for tests that must see exactly what training does to gradients and parameters.
+
+    with cpu_megatron():
+        ddp, opt = megatron_ddp(chunk(cfg, layer), overlap_grad_reduce=True, use_distributed_optimizer=True)
+        losses = train_step(ddp, opt, microbatches, loss_fn)   # loss_fn(model, microbatch) -> scalar
+        params = full_params(ddp)                              # {name: tensor} as the next forward sees them
+
+Runs on the current process group with Megatron's parallel state already initialized (moe_harness.spawn).
+Wiring follows Megatron-LM's training.py: config.no_sync_func / grad_sync_func / param_sync_func /
+finalize_model_grads_func / grad_scale_func; zero_grad_buffer + zero_grad, forward_backward_func,
+optimizer.step(); with overlap_param_gather the forward pre-hooks are off for the first iteration.
+
+Gradient scaling (megatron-core 0.16.1, calculate_per_token_loss False, average_in_collective False):
+the schedule divides each microbatch loss by the number of microbatches, and DDP multiplies every
+buffer by 1/|DP| before a SUM collective (dense params over DP, `allreduce=False` expert params over
+expert-DP, still by 1/|DP|). So the step gradient is d/dw of mean over (ranks x microbatches) of the loss.
+
+gloo in torch 2.13 has every collective DDP uses (all_reduce, reduce_scatter_tensor,
+all_gather_into_tensor, async, inside `_coalescing_manager`), so only CUDA-isms are patched.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+from torch.overrides import TorchFunctionMode
+
+
+def _is_cuda(device) -> bool:
+    return device is not None and torch.device(device).type == "cuda"  # an int is a CUDA index
+
+
+class _CudaAsCpu(TorchFunctionMode):
+    """CUDA literals inside Megatron function bodies, so no attribute to patch short of copying
+    whole methods; a torch-function mode reaches them all:
+    * device="cuda" bookkeeping tensors (raise without CUDA): FP32Optimizer's loss scale,
+      MixedPrecisionOptimizer's overflow buffer and unit scale, get_grad_norm_fp32 and
+      local_multi_tensor_l2_norm (ChainedOptimizer.step always computes the grad norm), the
+      schedule's token counter: made on the CPU;
+    * DistributedOptimizer files params by `param.type()` in 'torch.cuda.{Float,Half,BFloat16}Tensor'
+      and raises TypeError for anything else: `.type()` reports the CUDA name of a CPU tensor."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if _is_cuda(kwargs.get("device")):
+            kwargs = {**kwargs, "device": "cpu"}
+        out = func(*args, **kwargs)
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs and not out.startswith("torch.cuda."):
+            out = "torch.cuda." + out.removeprefix("torch.")
+        return out
+
+
+class _HostStream:
+    """The one CPU "stream": host work is already ordered, so waiting on anything is a no-op."""
+
+    def wait_stream(self, stream):
+        pass
+
+    def wait_event(self, event):
+        pass
+
+
+@contextlib.contextmanager
+def cpu_megatron():
+    """Megatron DDP + optimizer + schedule on CPU while inside; a no-op where CUDA is available, and
+    everything restored on exit. (The model layers need megatron_rails.megatron.cpu_shims, which
+    moe_harness.spawn applies.) Streams, events and synchronize are not reached: only
+    num_distributed_optimizer_instances > 1, nccl_ub and grad-buffer offload use them."""
+    if torch.cuda.is_available():
+        yield
+        return
+    old = torch.cuda.current_device, torch.cuda.current_stream
+    # DDP and the distributed optimizer allocate their buffers on torch.cuda.current_device()
+    torch.cuda.current_device = lambda: torch.device("cpu")
+    # 0.19: every grad reduction first makes the current stream wait for CUDA-graph wgrad events
+    torch.cuda.current_stream = lambda device=None: _HostStream()
+    try:
+        with _CudaAsCpu():
+            yield
+    finally:
+        torch.cuda.current_device, torch.cuda.current_stream = old
+
+
+def chunk(config, module):
+    """`module` (e.g. a bare MoELayer) as a one-stage model chunk for the schedule, which asks the
+    unwrapped model for `set_input_tensor` and `model_type`; forward returns the module's first
+    output where it returns a tuple (MoELayer: (output, bias))."""
+    from megatron.core.enums import ModelType
+    from megatron.core.transformer.module import MegatronModule
+
+    class Chunk(MegatronModule):
+        model_type = ModelType.encoder_or_decoder
+
+        def __init__(self):
+            super().__init__(config)
+            self.layer = module
+
+        def set_input_tensor(self, input_tensor):
+            pass  # first and last stage: inputs come from the data iterator
+
+        def forward(self, *args, **kwargs):
+            out = self.layer(*args, **kwargs)
+            return out[0] if isinstance(out, tuple) else out
+
+    return Chunk()
+
+
+def megatron_ddp(model, *, overlap_grad_reduce: bool, use_distributed_optimizer: bool,
+                 overlap_param_gather: bool = False, lr: float = 0.1, optimizer: str = "sgd",
+                 bucket_size: int | None = None, **optimizer_kw):
+    """(DistributedDataParallel, MegatronOptimizer) for `model` (a MegatronModule with `.config`).
+    The optimizer is plain: no weight decay, clipping or momentum unless given in optimizer_kw
+    (OptimizerConfig fields). megatron-core 0.16.1's distributed optimizer takes only "adam" (torch
+    AdamW here: no Transformer Engine or Apex). bucket_size (elements) splits the buffers into
+    several buckets when overlap_grad_reduce is on (DDP ignores it otherwise)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    assert use_distributed_optimizer or not overlap_param_gather, "overlap_param_gather needs distopt"
+    config = model.config
+    ddp_config = DistributedDataParallelConfig(
+        overlap_grad_reduce=overlap_grad_reduce, use_distributed_optimizer=use_distributed_optimizer,
+        overlap_param_gather=overlap_param_gather, bucket_size=bucket_size)
+    ddp = DistributedDataParallel(config, ddp_config, model)
+    # OptimizerConfig's defaults are weight decay 0.01, clip 1.0, SGD momentum 0.9
+    kw = dict(weight_decay=0.0, clip_grad=0.0, sgd_momentum=0.0, **optimizer_kw)
+    opt_config = OptimizerConfig(optimizer=optimizer, lr=lr, use_distributed_optimizer=use_distributed_optimizer, **kw)
+    opt = get_megatron_optimizer(opt_config, [ddp])
+
+    # as Megatron-LM's train() sets the model config up (one model chunk)
+    config.grad_scale_func = opt.scale_loss
+    config.no_sync_func = config.grad_sync_func = config.param_sync_func = None
+    if overlap_grad_reduce:
+        config.no_sync_func = ddp.no_sync
+        config.grad_sync_func = ddp.start_grad_sync  # align_grad_reduce (on by default)
+    if ddp_config.overlap_param_gather and ddp_config.align_param_gather:
+        config.param_sync_func = ddp.start_param_sync
+    config.finalize_model_grads_func = finalize_model_grads
+    if ddp.use_forward_hook:
+        # train() starts with the param all-gather pre-hooks off and turns them on after the first
+        # successful step (so that a bad init or checkpoint load is not spread by the first gather)
+        ddp.disable_forward_pre_hook(param_sync=False)
+    return ddp, opt
+
+
+def train_step(ddp, optimizer, microbatches: list, loss_fn) -> list[float]:
+    """One optimizer step over `microbatches` through Megatron's forward_backward_func (no_sync for
+    all but the last microbatch, grad reduction in finalize_model_grads) and optimizer.step().
+    loss_fn(model, microbatch) -> scalar loss tensor; returns the per-microbatch losses."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    ddp.zero_grad_buffer()
+    optimizer.zero_grad()
+    data = iter(microbatches)
+
+    def forward_step(data_iterator, model):
+        loss = loss_fn(model, next(data_iterator))
+        # the schedule divides the returned loss in place: report a copy
+        return loss, lambda out: (out, {"loss": out.detach().clone()})
+
+    reduced = get_forward_backward_func()(
+        forward_step_func=forward_step, data_iterator=data, model=[ddp], num_microbatches=len(microbatches),
+        seq_length=0, micro_batch_size=0, forward_only=False)
+    ok, _grad_norm, _ = optimizer.step()
+    assert ok, "optimizer step skipped (inf/nan gradients)"
+    if ddp.use_forward_hook and not ddp.remove_forward_pre_hook_handles:
+        ddp.enable_forward_pre_hook()
+    return [float(r["loss"]) for r in reduced]
+
+
+@torch.no_grad()
+def full_params(ddp) -> dict[str, torch.Tensor]:
+    """Every parameter of ddp.module by name, as the next forward will see it. With overlap_param_gather
+    the distributed optimizer has updated only this rank's shard of each parameter buffer and the
+    all-gather waits for the next forward's pre-hooks: gather the shards here into copies, leaving
+    DDP's buffers and its gather state untouched."""
+    from megatron.core.distributed.param_and_grad_buffer import shard_buffer
+
+    current = {p: p.detach().clone() for p in ddp.module.parameters()}
+    if ddp.ddp_config.overlap_param_gather:
+        for buffer in ddp.buffers + ddp.expert_parallel_buffers:
+            group = buffer.data_parallel_group
+            for bucket in buffer.buckets:
+                full = torch.empty_like(bucket.param_data)
+                shard = shard_buffer(bucket.param_data, group.size())[group.rank()]
+                dist.all_gather_into_tensor(full, shard.contiguous(), group=group)
+                for p in bucket.params_list:
+                    start, end = bucket.param_to_index[p]
+                    current[p] = full[start:end].view_as(p).clone()
+    return {name: current[p] for name, p in ddp.module.named_parameters()}

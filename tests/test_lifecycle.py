@@ -1,0 +1,120 @@
+"""Slot weights live for one optimizer step (runtime/residency.py), checked against the stock
+allgather dispatcher with a real optimizer, so a stale weight fails.
+
+Three optimizer steps of four microbatches each, every microbatch with different skewed counts;
+gradient accumulation with `no_sync()` on all but the last microbatch (as Megatron's schedules do)
+or without it; with or without Megatron's activation recompute. After every microbatch the loss,
+after every step every parameter (in stock layout) equals stock's. Within a step the slots are
+fetched once and reused by the later microbatches (counted). An evaluation forward after training
+(no optimizer) matches stock too.
+"""
+import numpy as np
+import pytest
+import torch
+
+from moe_harness import build_moe_layer, moe_config, spawn
+
+E, H, T = 8, 16, 24
+STEPS, MICRO = 3, 4
+POLICIES = ("none", "eplb", "ultraep", "lp", "fsep")
+
+
+def _layers(world, policy):
+    import megatron_rails
+
+    torch.manual_seed(11)
+    stock = build_moe_layer(moe_config(world, "allgather", experts=E, hidden=H))
+    megatron_rails.install({"policy": policy, "slots": 2, "comm": "direct", "tolerance": 0.0, "window": 2,
+                            "interval": 2})
+    try:
+        rails = build_moe_layer(moe_config(world, "alltoall", experts=E, hidden=H))
+    finally:
+        megatron_rails.uninstall()
+    rails.load_state_dict(stock.state_dict())
+    # a router direction per hot expert: microbatch m leans on expert HOT[m], so counts differ
+    u = torch.tensor(np.random.default_rng(3).standard_normal((E, H)), dtype=torch.float32)
+    u /= u.norm(dim=1, keepdim=True)
+    with torch.no_grad():
+        for layer in (stock, rails):
+            layer.router.weight.add_(4.0 * u)
+    return stock, rails, u
+
+
+def _batch(rank, step, micro, u):
+    gen = torch.Generator().manual_seed(1000 * step + 10 * micro + rank)
+    hot = (step + micro) % E  # a different hot expert in every microbatch of a step
+    x = torch.randn(T, H, generator=gen) * 0.5 + 1.5 * u[hot] + 0.8 * u[(hot + 3) % E]
+    return x.view(T, 1, H)
+
+
+def _worker(rank, world, policies, accumulate, recompute):
+    from megatron.core import tensor_parallel
+
+    from megatron_rails import no_sync
+
+    w = torch.linspace(-1, 1, T * H).view(T, 1, H)
+    for policy in policies:
+        stock, rails, u = _layers(world, policy)
+        disp = rails.token_dispatcher
+        opts = {n: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for n, m in (("stock", stock),
+                                                                                       ("rails", rails))}
+        reused = 0
+        for step in range(STEPS):
+            n_records = len(disp.metrics)
+            for micro in range(MICRO):
+                x = _batch(rank, step, micro, u)
+                losses = {}
+                for name, layer in (("stock", stock), ("rails", rails)):
+                    def fwd(t, m=layer):
+                        return m(t)[0]
+
+                    gate = no_sync() if (name == "rails" and accumulate and micro < MICRO - 1) else _null()
+                    with gate:
+                        xi = x.clone().requires_grad_(True)
+                        out = tensor_parallel.checkpoint(fwd, False, xi) if recompute else fwd(xi)
+                        loss = (out * w).sum()
+                        loss.backward()
+                    losses[name] = loss.item()
+                where = f"{policy}, step {step}, microbatch {micro}, rank {rank}"
+                assert abs(losses["rails"] - losses["stock"]) <= 1e-5 * max(1.0, abs(losses["stock"])), \
+                    f"{where}: loss {losses['rails']} vs stock {losses['stock']}"
+            records = list(disp.metrics)[n_records:]
+            assert len(records) == MICRO, f"{policy}: {len(records)} records for {MICRO} microbatches"
+            counts = [r["tokens_per_rank_before"] for r in records]
+            assert len({tuple(c) for c in counts}) > 1, "the microbatches of a step must differ in counts"
+            if accumulate and policy != "none":
+                fetched = [r["slots_fetched"] for r in records]
+                assert fetched[0] and not any(fetched[1:]), f"{policy}, step {step}: fetched {fetched}"
+                assert all(r["weight_bytes_sent"] == 0 for r in records[1:])
+                reused += sum(r["replicas_used"] > 0 for r in records[1:])
+            for opt in opts.values():
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            got, ref = rails.state_dict(), stock.state_dict()
+            assert set(got) == set(ref)
+            for k in ref:
+                torch.testing.assert_close(got[k], ref[k], rtol=1e-5, atol=1e-5,
+                                           msg=lambda m: f"{policy}, after step {step}, {k}: {m}")
+        if accumulate and policy != "none":
+            assert reused > 0, f"{policy}: no later microbatch computed on a resident slot"
+        # evaluation after training: no optimizer step follows, weights as trained
+        with torch.no_grad():
+            x = _batch(rank, STEPS, 0, u)
+            torch.testing.assert_close(rails(x)[0], stock(x)[0], rtol=1e-5, atol=1e-5)
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+@pytest.mark.parametrize("accumulate,recompute,policies", [
+    (True, False, POLICIES),
+    (True, True, ("ultraep", "fsep")),
+    (False, False, ("ultraep", "fsep")),
+])
+def test_training_steps_match_stock(accumulate, recompute, policies):
+    spawn(_worker, 2, policies, accumulate, recompute)
