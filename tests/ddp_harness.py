@@ -11,13 +11,15 @@ Wiring follows Megatron-LM's training.py: config.no_sync_func / grad_sync_func /
 finalize_model_grads_func / grad_scale_func; zero_grad_buffer + zero_grad, forward_backward_func,
 optimizer.step(); with overlap_param_gather the forward pre-hooks are off for the first iteration.
 
-Gradient scaling (megatron-core 0.16.1, calculate_per_token_loss False, average_in_collective False):
+Gradient scaling (megatron-core 0.16.1 and 0.19.2, calculate_per_token_loss and average_in_collective
+False):
 the schedule divides each microbatch loss by the number of microbatches, and DDP multiplies every
 buffer by 1/|DP| before a SUM collective (dense params over DP, `allreduce=False` expert params over
 expert-DP, still by 1/|DP|). So the step gradient is d/dw of mean over (ranks x microbatches) of the loss.
 
-gloo in torch 2.13 has every collective DDP uses (all_reduce, reduce_scatter_tensor,
-all_gather_into_tensor, async, inside `_coalescing_manager`), so only CUDA-isms are patched.
+gloo in torch 2.13 has every collective DDP uses (all_reduce, reduce_scatter_tensor and
+all_gather_into_tensor, sync and async, inside `_coalescing_manager`; even ReduceOp.AVG), so only
+CUDA-isms are patched (cpu_megatron).
 """
 from __future__ import annotations
 
@@ -66,8 +68,8 @@ class _HostStream:
 def cpu_megatron():
     """Megatron DDP + optimizer + schedule on CPU while inside; a no-op where CUDA is available, and
     everything restored on exit. (The model layers need megatron_rails.megatron.cpu_shims, which
-    moe_harness.spawn applies.) Streams, events and synchronize are not reached: only
-    num_distributed_optimizer_instances > 1, nccl_ub and grad-buffer offload use them."""
+    moe_harness.spawn applies.) Other stream/event/synchronize calls are not reached: only
+    num_distributed_optimizer_instances > 1, nccl_ub and grad-buffer offload make them."""
     if torch.cuda.is_available():
         yield
         return
@@ -112,9 +114,10 @@ def megatron_ddp(model, *, overlap_grad_reduce: bool, use_distributed_optimizer:
                  bucket_size: int | None = None, **optimizer_kw):
     """(DistributedDataParallel, MegatronOptimizer) for `model` (a MegatronModule with `.config`).
     The optimizer is plain: no weight decay, clipping or momentum unless given in optimizer_kw
-    (OptimizerConfig fields). megatron-core 0.16.1's distributed optimizer takes only "adam" (torch
-    AdamW here: no Transformer Engine or Apex). bucket_size (elements) splits the buffers into
-    several buckets when overlap_grad_reduce is on (DDP ignores it otherwise)."""
+    (OptimizerConfig fields). With use_distributed_optimizer, megatron-core 0.16.1 accepts only
+    "adam" (torch AdamW here: no Transformer Engine or Apex); "sgd" raises there. bucket_size
+    (elements) splits the buffers into several buckets when overlap_grad_reduce is on (DDP ignores
+    it otherwise)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -147,9 +150,11 @@ def megatron_ddp(model, *, overlap_grad_reduce: bool, use_distributed_optimizer:
 
 
 def train_step(ddp, optimizer, microbatches: list, loss_fn) -> list[float]:
-    """One optimizer step over `microbatches` through Megatron's forward_backward_func (no_sync for
-    all but the last microbatch, grad reduction in finalize_model_grads) and optimizer.step().
-    loss_fn(model, microbatch) -> scalar loss tensor; returns the per-microbatch losses."""
+    """One optimizer step over `microbatches` through Megatron's forward_backward_func and
+    optimizer.step(). Grads accumulate in DDP's buffers; with overlap_grad_reduce all microbatches
+    but the last run under ddp.no_sync and the bucket reductions start from the backward hooks of
+    the last one; finalize_model_grads finishes (or, without overlap, does) them.
+    loss_fn(model, microbatch) -> scalar loss tensor; returns the per-microbatch losses (unscaled)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     ddp.zero_grad_buffer()

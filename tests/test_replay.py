@@ -148,8 +148,9 @@ def _weight_bytes_worker(rank, world):
     disp = rails.token_dispatcher
     x = torch.randn(T, 1, H)
     rails(x)
-    plan = disp.runtime.plan
-    counts_DE = plan.counts_DE
+    counts_DE = np.zeros((world, E), dtype=np.int64)
+    counts_DE[:, 0] = 100  # one hot expert: its owner exports replicas
+    plan, _ = disp.runtime.planner.plan(counts_DE, disp.runtime.planner.initial_state())
     experts = list(rails.experts.parameters())
     expert_bytes = sum(p.numel() * p.element_size() for p in experts) // disp.num_local_experts  # fp32 params
     for act_dtype in (torch.float32, torch.bfloat16, torch.float64):

@@ -24,6 +24,7 @@ from ..runtime.layer import LayerRuntime, PlanMismatchError  # noqa: F401  (Plan
 from . import metrics as rails_metrics
 from .compat import wait_param_gather
 from .expert_kinds import expert_kind
+from .grad_sync import hook_ddp
 
 _installed: Optional[PolicyConfig] = None  # set by megatron_rails.install(), for dispatchers built meanwhile
 
@@ -49,6 +50,7 @@ class RailsTokenDispatcher(MoETokenDispatcher):
         self.num_experts = config.num_moe_experts
         self.pcfg = policy if policy is not None else installed_policy()
         self.runtime = LayerRuntime(self.pcfg, self.ep_group, self.num_experts)
+        hook_ddp()  # slot gradients follow DDP's gradient sync (grad_sync.py)
         self.ep_rank = self.runtime.rank
         self._layer = None  # weak reference to the MoELayer (attach_experts), for Megatron's metric tracker
 
@@ -80,9 +82,12 @@ class RailsTokenDispatcher(MoETokenDispatcher):
         """hidden_states [sequence, batch, H]; routing_map bool [T, E]; probs float [T, E] -> pairs in send order."""
         self.hidden_shape = hidden_states.shape
         x_TH = hidden_states.reshape(-1, self.hidden_shape[-1])
-        x_PH, probs_P, record = self.runtime.dispatch(x_TH, routing_map, probs)
+        layer = self._layer() if self._layer else None
+        # a training forward pins the step's resident slots (reentrant recompute runs it without grad)
+        training = layer.training if layer is not None else None
+        x_PH, probs_P, record = self.runtime.dispatch(x_TH, routing_map, probs, training=training)
         if record is not None:
-            rails_metrics.record_step(self._layer() if self._layer else None, record, x_TH.device)
+            rails_metrics.record_step(layer, record, x_TH.device)
         return x_PH, probs_P
 
     def token_dispatch(self, hidden_states: torch.Tensor, probs: torch.Tensor):

@@ -64,6 +64,7 @@ class ExpertStore:
         self.shapes = [t.shape for t in first]
         self.numels = [t.numel() for t in first]
         self.window: Window | None = None  # the resident slots (runtime/residency.py)
+        self.defer_flush = False  # the framework calls residency.flush_pending() before reading gradients
         residency.register(self)
 
     @property

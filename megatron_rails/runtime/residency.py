@@ -10,7 +10,9 @@ when gradient synchronization is due, like data-parallel gradients:
   does `flush_pending()` (the Megatron adapter calls it where Megatron DDP starts its gradient
   reduction; every torch optimizer step calls it as the last resort).
 The Megatron adapter enters `no_sync()` whenever Megatron DDP's `no_sync()` is entered, which is how
-Megatron's schedules mark every microbatch but the last.
+Megatron's schedules mark every microbatch but the last. A store whose `defer_flush` is set (its
+framework always calls `flush_pending()` before reading gradients: Megatron DDP without
+overlap_grad_reduce) never returns them from a backward pass.
 
 A step ends, and the next forward fetches fresh weights, when any torch optimizer steps (a global
 step hook), when `new_step()` is called (for updates no optimizer makes), or when a source
@@ -161,7 +163,7 @@ class ResidentSlots(torch.autograd.Function):
         # every rank ran this backward: whether anything is owed is the same everywhere (the node
         # exists on every rank whenever any rank holds a moved slot)
         window.pending = True
-        if syncing():
+        if syncing() and not store.defer_flush:
             source_grads = store.flush(window, in_graph=True)
         else:
             source_grads = store.idle_grads()

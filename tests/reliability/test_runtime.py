@@ -29,6 +29,7 @@ def _layer(world, policy, **extra):
 
 
 def _consistency_worker(rank, world, policy):
+    import megatron_rails
     from megatron_rails.runtime import layer as disp_mod
     from megatron_rails.megatron.dispatcher import PlanMismatchError
     from megatron_rails.core.plan import Plan
@@ -53,6 +54,7 @@ def _consistency_worker(rank, world, policy):
 
     for what in ("counts", "plan"):
         x = torch.randn(T, 1, H)  # new counts: a replayed forward would reuse its earlier plan
+        megatron_rails.new_step()  # a new optimizer step: the planner's plan runs (not the resident placement's)
         if rank == world - 1:
             if what == "counts":
                 disp_mod.all_gather_counts = corrupt_counts

@@ -1,0 +1,110 @@
+"""Resident slot weights under Megatron-Core's own DDP, optimizer and schedule (tests/ddp_harness.py),
+against the stock allgather dispatcher trained the same way, on 2 gloo ranks (EP = 2).
+
+Steps of 4, 4, 4 and 2 microbatches with skewed routing that differs per microbatch; every
+combination of overlap_grad_reduce and the distributed optimizer, overlap_param_gather, and
+Megatron's activation recompute. The slot gradients must reach the owners (shards) before DDP
+reduces them: with overlap_grad_reduce from inside the last backward, before the owners' gradient
+ready hooks; without it before finish_grad_sync. Losses of every microbatch and, where the
+parameters are current after the step, every parameter in stock layout equal stock's to 1e-5.
+Slots are fetched once per step (DDP's no_sync marks the microbatches that accumulate).
+"""
+import numpy as np
+import pytest
+import torch
+
+from moe_harness import build_moe_layer, moe_config, spawn
+
+MICRO = (4, 4, 4, 2)
+TOKENS, LR, E = 16, 0.1, 8
+# (overlap_grad_reduce, use_distributed_optimizer, overlap_param_gather, recompute)
+COMBOS = [(False, False, False, False), (True, False, False, False), (False, True, False, False),
+          (True, True, False, False), (True, True, True, False), (True, False, False, True)]
+ADAM = dict(adam_eps=1.0)  # Adam's update is then close to proportional to the gradient (test_ddp_harness.py)
+
+
+def _build(world, policy, u):
+    import megatron_rails
+    from ddp_harness import chunk
+
+    cfg = moe_config(world, "allgather" if policy == "stock" else "alltoall", experts=E)
+    torch.manual_seed(7)
+    if policy == "stock":
+        layer = build_moe_layer(cfg)
+    else:
+        megatron_rails.install({"policy": policy, "slots": 2, "comm": "direct", "tolerance": 0.0})
+        try:
+            layer = build_moe_layer(cfg)
+        finally:
+            megatron_rails.uninstall()
+    with torch.no_grad():
+        layer.router.weight.add_(4.0 * u)  # so that the inputs' hot directions skew the routing
+    return chunk(cfg, layer)
+
+
+def _microbatches(rank, step, u, hidden):
+    g = torch.Generator().manual_seed(1000 * rank + step)
+    out = []
+    for m in range(MICRO[step]):
+        hot = (step + m) % E
+        x = torch.randn(TOKENS, hidden, generator=g) * 0.5 + 1.5 * u[hot] + 0.8 * u[(hot + 3) % E]
+        out.append((x.view(TOKENS, 1, hidden), torch.randn(TOKENS, 1, hidden, generator=g)))
+    return out
+
+
+def _loss_fn(recompute):
+    from megatron.core import tensor_parallel
+
+    def loss(model, microbatch):
+        x, y = microbatch
+        out = tensor_parallel.checkpoint(lambda t: model(t), False, x) if recompute else model(x)
+        return ((out - y) ** 2).mean()
+
+    return loss
+
+
+def _worker(rank, world, policies):
+    from ddp_harness import cpu_megatron, full_params, megatron_ddp, train_step
+
+    H = moe_config(world, "allgather").hidden_size
+    u = torch.tensor(np.random.default_rng(3).standard_normal((E, H)), dtype=torch.float32)
+    u /= u.norm(dim=1, keepdim=True)
+    with cpu_megatron():
+        for policy in policies:
+            for ogr, dopt, opg, recompute in COMBOS:
+                kind = "adam" if dopt else "sgd"
+                where = f"{policy}: overlap_grad_reduce={ogr} distopt={dopt} overlap_param_gather={opg} " \
+                        f"recompute={recompute} rank {rank}"
+                models = {p: _build(world, p, u) for p in ("stock", policy)}
+                models[policy].layer.load_state_dict(models["stock"].layer.state_dict())
+                trained = {}
+                for name, model in models.items():
+                    trained[name] = megatron_ddp(model, overlap_grad_reduce=ogr, use_distributed_optimizer=dopt,
+                                                 overlap_param_gather=opg, lr=LR, optimizer=kind,
+                                                 bucket_size=1000 if ogr else None,
+                                                 **(ADAM if kind == "adam" else {}))
+                disp = models[policy].layer.token_dispatcher
+                loss_fn = _loss_fn(recompute)
+                for step in range(len(MICRO)):
+                    mbs = _microbatches(rank, step, u, H)
+                    n_records = len(disp.metrics)
+                    want = train_step(*trained["stock"], mbs, loss_fn)
+                    got = train_step(*trained[policy], mbs, loss_fn)
+                    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=1e-5,
+                                               msg=lambda m: f"{where} step {step}: losses\n{m}")
+                    records = list(disp.metrics)[n_records:]
+                    fetched = [r["slots_fetched"] for r in records]
+                    assert len(records) == len(mbs) and fetched[0] and not any(fetched[1:]), \
+                        f"{where} step {step}: slots fetched {fetched}"
+                    if not opg:  # parameters are current after the step (no all-gather pending)
+                        ref = full_params(trained["stock"][0])
+                        state = models[policy].layer.state_dict()  # stock layout (fsep writes shards back)
+                        for k, v in ref.items():
+                            k = k[len("layer."):]
+                            torch.testing.assert_close(state[k], v, rtol=1e-5, atol=1e-5,
+                                                       msg=lambda m: f"{where} step {step}: {k}\n{m}")
+
+
+@pytest.mark.parametrize("policy", ["ultraep", "fsep"])
+def test_megatron_ddp_training_matches_stock(policy):
+    spawn(_worker, 2, [policy])
