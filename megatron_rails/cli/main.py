@@ -84,6 +84,14 @@ def cmd_bench(args) -> int:
         bench_local(args.out, shape_name="tiny" if args.quick else args.shape, device=args.device,
                     dtype=args.dtype, reps=5 if args.quick else 50)
         return 0
+    if args.what == "step":
+        from ..bench.step import BenchError, bench_step
+
+        try:
+            bench_step(args.out, ranks=args.ranks, microbatches=args.microbatches, quick=args.quick, plot=args.plot)
+        except BenchError as err:
+            raise SystemExit(f"megatron-rails bench step: {err}") from None
+        return 0
     raise SystemExit(f"unknown benchmark {args.what!r}")
 
 
@@ -94,7 +102,8 @@ def cmd_demo(args) -> int:
         return planner_demo(json_out=args.json)
     from ..demo.run import run_demo
 
-    return run_demo(args.config, steps=args.steps, ranks=args.ranks, json_out=args.json, png=args.plot)
+    return run_demo(args.config, steps=args.steps, ranks=args.ranks, json_out=args.json, png=args.plot,
+                    microbatches=args.microbatches)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -118,13 +127,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_plan)
 
     b = sub.add_parser("bench", help="benchmarks; results as JSON (+ PNG)")
-    b.add_argument("what", choices=["planners", "dispatcher", "rails", "local"])
+    b.add_argument("what", choices=["planners", "dispatcher", "rails", "local", "step"])
     b.add_argument("--out", required=True, help="JSON output file")
     b.add_argument("--plot", help="PNG output (default: next to --out)")
     b.add_argument("--quick", action="store_true", help="a small grid for smoke runs")
     b.add_argument("--device", default="cpu", help="local: torch device of the timed work (cpu, cuda)")
     b.add_argument("--shape", default="mixtral-8x7b", help="local: mixtral-8x7b | mixtral-8x22b | tiny")
     b.add_argument("--dtype", default="bfloat16", help="local: dtype of the hidden states")
+    b.add_argument("--ranks", type=int, default=2, help="step: gloo ranks, one core each (at most the cores)")
+    b.add_argument("--microbatches", type=int, default=8, help="step: microbatches per optimizer step")
     b.set_defaults(func=cmd_bench)
 
     s = sub.add_parser("simulate", help="simulators: all-to-all on a rail topology (a2a), iteration time (run)")
@@ -141,10 +152,13 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--json", action="store_true")
     k.set_defaults(func=lambda a: __import__("megatron_rails.reliability.soak", fromlist=["run_soak"]).run_soak(
         a.planner_calls, a.steps, a.ranks, a.out, a.json))
-    d = sub.add_parser("demo", help="train a tiny Mixtral-shaped model on 4 CPU ranks: none vs the configured policy")
-    d.add_argument("--config", help="policy YAML (default: configs/policies/default.yaml)")
-    d.add_argument("--steps", type=int, default=20)
-    d.add_argument("--ranks", type=int, default=4, help="CPU ranks (= expert-parallel size; divides 8 experts)")
+    d = sub.add_parser("demo", help="train a tiny Mixtral-shaped model on CPU ranks, one core each: none vs the "
+                                    "configured policy")
+    d.add_argument("--config", help="policy YAML or preset name (default: the shipped default policy)")
+    d.add_argument("--steps", type=int, default=20, help="optimizer steps")
+    d.add_argument("--microbatches", type=int, default=4, help="microbatches per optimizer step (accumulated)")
+    d.add_argument("--ranks", type=int, help="CPU ranks (= expert-parallel size; divides 8 experts; default: "
+                                             "min(4, cores), every rank on a core of its own)")
     d.add_argument("--plot", default="demo-imbalance.png", help="PNG of imbalance per step")
     d.add_argument("--planners", action="store_true", help="instead: compare every planner on skewed steps")
     d.add_argument("--json", action="store_true")

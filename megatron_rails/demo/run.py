@@ -1,6 +1,8 @@
-"""`megatron-rails demo`: train the tiny Mixtral-shaped model on 4 CPU ranks twice, policy `none`
+"""`megatron-rails demo`: train the tiny Mixtral-shaped model on CPU ranks twice, policy `none`
 (stock expert placement through our dispatcher) and the configured balanced policy, under skewed
-routing; print loss parity, per-layer balance, traffic, plan time and step time; plot imbalance.
+routing, with gradient accumulation over microbatches; every rank on a core of its own (ranks
+sharing a core cannot show stragglers, so step times would not compare). Prints loss parity,
+per-layer balance, traffic, plan time and step time per policy; plots imbalance.
 """
 from __future__ import annotations
 
@@ -18,10 +20,12 @@ DEFAULT_CONFIG = POLICY_DIR / "default.yaml"  # the shipped preset (package data
 VIRTUAL_NODE = 2  # ranks per virtual node on CPU, so RailS and same-node routing have nodes to work with
 
 
-def _run(policy_args: list[str], label: str, steps: int, ranks: int, out: str, quiet: bool) -> dict:
+def _run(policy_args: list[str], label: str, steps: int, ranks: int, out: str, quiet: bool,
+         microbatches: int, pin: bool) -> dict:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
            "--standalone", "-m", "megatron_rails.demo.train",
-           *policy_args, "--steps", str(steps), "--out", out]
+           *policy_args, "--steps", str(steps), "--microbatches", str(microbatches), "--out", out,
+           *(["--pin"] if pin else [])]
     env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     tail = []
@@ -37,6 +41,7 @@ def _run(policy_args: list[str], label: str, steps: int, ranks: int, out: str, q
 
 def summarize(base: dict, bal: dict) -> dict:
     lb, lr = np.array(base["losses"]), np.array(bal["losses"])
+    n_steps = max(1, len(lr))
 
     def layer_stats(run):
         out = []
@@ -45,8 +50,9 @@ def summarize(base: dict, bal: dict) -> dict:
                 "layer": i,
                 "max_over_mean_before": float(np.mean([m["max_over_mean_before"] for m in steps])),
                 "max_over_mean_after": float(np.mean([m["max_over_mean_after"] for m in steps])),
-                "token_bytes_per_step": float(np.mean([m["token_bytes_sent"] for m in steps])),
-                "weight_bytes_per_step": float(np.mean([m["weight_bytes_sent"] for m in steps])),
+                # records are per microbatch; per optimizer step: their sum over the step
+                "token_bytes_per_step": float(np.sum([m["token_bytes_sent"] for m in steps]) / n_steps),
+                "weight_bytes_per_step": float(np.sum([m["weight_bytes_sent"] for m in steps]) / n_steps),
                 "plan_us_p50": float(np.median([m["plan_us"] for m in steps])),
             })
         return out
@@ -86,22 +92,29 @@ def plot(bal: dict, png: str) -> None:
     plt.close(fig)
 
 
-def run_demo(config: str | None = None, steps: int = 20, ranks: int = 4, json_out: bool = False,
-             png: str = "demo-imbalance.png") -> int:
+def run_demo(config: str | None = None, steps: int = 20, ranks: int | None = None, json_out: bool = False,
+             png: str = "demo-imbalance.png", microbatches: int = 4) -> int:
     config = str(config or DEFAULT_CONFIG)
-    from ..core.policy import PolicyConfig
+    from ..core.policy import as_policy
 
-    pcfg = PolicyConfig.from_yaml(config)  # fail fast, before launching anything
+    pcfg = as_policy(config)  # fail fast, before launching anything
+    if os.path.isfile(config) is False and (POLICY_DIR / f"{config}.yaml").is_file():
+        config = str(POLICY_DIR / f"{config}.yaml")  # a preset name: the training script takes a path
+    cores = len(os.sched_getaffinity(0))
+    ranks = ranks or min(4, cores)
+    pin = ranks <= cores  # more ranks than cores still runs, but step times then do not compare
     G = VIRTUAL_NODE if ranks % VIRTUAL_NODE == 0 else ranks  # an odd rank count: one node
     with tempfile.TemporaryDirectory() as tmp:
-        print(f"megatron-rails demo: {ranks} CPU ranks (gloo) as {ranks // G} virtual node(s) x {G}, {steps} steps, skewed routing; policy none, then {pcfg.policy} "
-              f"(comm: {pcfg.comm}) from {config}", file=sys.stderr)
+        print(f"megatron-rails demo: {ranks} CPU ranks (gloo{', one core each' if pin else ', sharing cores'}) as "
+              f"{ranks // G} virtual node(s) x {G}, {steps} steps x {microbatches} microbatches, skewed routing; "
+              f"policy none, then {pcfg.policy} (comm: {pcfg.comm}) from {config}", file=sys.stderr)
         node = ["--ranks-per-node", str(G)]
-        base = _run(["--policy", "none", *node], "none", steps, ranks, f"{tmp}/none.json", json_out)
-        bal = _run(["--config", config, *node], pcfg.policy, steps, ranks, f"{tmp}/bal.json", json_out)
+        base = _run(["--policy", "none", *node], "none", steps, ranks, f"{tmp}/none.json", json_out, microbatches, pin)
+        bal = _run(["--config", config, *node], pcfg.policy, steps, ranks, f"{tmp}/bal.json", json_out, microbatches,
+                   pin)
     bal["policy"] = pcfg.policy
     summary = summarize(base, bal)
-    summary.update(comm=pcfg.comm, ranks_per_node=G)
+    summary.update(comm=pcfg.comm, ranks_per_node=G, microbatches=microbatches, pinned=pin)
     plot(bal, png)
     summary["plot"] = png
     if json_out:
@@ -123,8 +136,9 @@ def run_demo(config: str | None = None, steps: int = 20, ranks: int = 4, json_ou
     con.print(f"loss parity: max |none - {pcfg.policy}| = {summary['loss_max_abs_diff']:.2e} "
               f"(rel {summary['loss_max_rel_diff']:.2e}); loss {summary['loss_first']:.4f} -> "
               f"{summary['loss_last']:.4f}")
-    con.print(f"step time (median): none {summary['step_ms_none']:.0f} ms, {pcfg.policy} "
-              f"{summary['step_ms_policy']:.0f} ms (CPU gloo; not a GPU timing)")
+    con.print(f"step time (median, {microbatches} microbatches): none {summary['step_ms_none']:.0f} ms, {pcfg.policy} "
+              f"{summary['step_ms_policy']:.0f} ms ({summary['step_ms_policy'] / summary['step_ms_none']:.2f}x; CPU gloo"
+              f"{', one core per rank' if pin else ', ranks sharing cores: not comparable'}; not a GPU timing)")
     w = sum(x["weight_bytes_per_step"] for x in summary["layers"])
     tok = sum(x["token_bytes_per_step"] for x in summary["layers"])
     if summary["step_ms_policy"] > summary["step_ms_none"] and w > tok:

@@ -19,6 +19,8 @@ clipping, warm-up or decay schedule.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import json
 import time
 from dataclasses import dataclass
@@ -153,16 +155,25 @@ def from_run_config(path: str, overrides=()):
 
 
 def train_steps(model, shape: DemoShape, steps: int, rank: int, world: int, opt=None, start: int = 0,
-                on_step=None):
-    """Run `steps` optimizer steps; returns (per-step global mean losses, optimizer)."""
+                on_step=None, microbatches: int = 1):
+    """Run `steps` optimizer steps of `microbatches` microbatches each (gradients accumulated; every
+    microbatch but the last under megatron_rails.no_sync(), as Megatron's schedules run them);
+    returns (per-step global mean losses, optimizer)."""
+    from ..runtime.residency import no_sync
+
     opt = opt or make_optimizer(model)
     losses = []
     for step in range(start, start + steps):
-        tokens, pos, mask, labels = batch(shape, rank, step)
         opt.zero_grad(set_to_none=True)
         t0 = time.perf_counter()
-        loss = model(tokens, pos, mask, labels=labels).float().mean()
-        loss.backward()
+        total = 0.0
+        for mb in range(microbatches):
+            # microbatch mb of step s is the batch (s * microbatches + mb): microbatches=1 is the old stream
+            tokens, pos, mask, labels = batch(shape, rank, step * microbatches + mb)
+            with no_sync() if mb < microbatches - 1 else contextlib.nullcontext():
+                loss = model(tokens, pos, mask, labels=labels).float().mean()
+                (loss / microbatches).backward()
+            total += loss.detach()
         for name, p in model.named_parameters():
             if not p.requires_grad:
                 continue  # stock expert copies under fsep: the shards train instead
@@ -175,7 +186,7 @@ def train_steps(model, shape: DemoShape, steps: int, rank: int, world: int, opt=
                 p.grad.div_(world)
         opt.step()
         step_s = time.perf_counter() - t0
-        g = loss.detach().clone()
+        g = (total / microbatches).clone()
         dist.all_reduce(g)
         losses.append(float(g) / world)
         if on_step:
@@ -202,6 +213,10 @@ def main(argv=None) -> int:
     ap.add_argument("--run-config", help="a run config YAML (configs/mini/*.yaml); overrides follow as KEY=VALUE")
     ap.add_argument("--ranks-per-node", type=int,
                     help="virtual node size for --policy/--config (default: 2, or the config's)")
+    ap.add_argument("--microbatches", type=int, default=1,
+                    help="microbatches per optimizer step, gradients accumulated (default 1)")
+    ap.add_argument("--pin", action="store_true",
+                    help="pin every rank to a core of its own (refused with more ranks than cores)")
     ap.add_argument("--timeout-s", type=float, default=600.0,
                     help="process-group timeout: a collective waiting longer on a dead or stuck rank fails")
     ap.add_argument("--out", required=True)
@@ -221,7 +236,14 @@ def main(argv=None) -> int:
     else:
         shape, steps = DemoShape(), 20 if args.steps is None else args.steps
         label = args.config or args.policy or "none"
+    if args.microbatches < 1:
+        ap.error(f"--microbatches {args.microbatches}: need at least 1")
     rank, world = init_distributed(args.timeout_s)
+    if args.pin:
+        cores = sorted(os.sched_getaffinity(0))
+        if world > len(cores):
+            raise SystemExit(f"--pin: {world} ranks but {len(cores)} cores; every rank needs its own")
+        os.sched_setaffinity(0, {cores[int(os.environ.get("LOCAL_RANK", rank))]})
     if rc is not None and rc.world_size != world:
         raise SystemExit(f"{args.run_config}: the run config is for {rc.world_size} ranks, this run has {world}")
     torch.set_num_threads(1)
@@ -253,9 +275,10 @@ def main(argv=None) -> int:
         if rank == 0:
             print(f"[{label}] step {step + 1}/{steps} loss {loss:.5f} ({step_s * 1e3:.0f} ms)", flush=True)
 
-    losses, _ = train_steps(model, shape, steps, rank, world, opt=opt, on_step=progress)
+    losses, _ = train_steps(model, shape, steps, rank, world, opt=opt, on_step=progress,
+                            microbatches=args.microbatches)
     if rank == 0:
-        out = {"policy": label, "world": world, "losses": losses, "step_s": times,
+        out = {"policy": label, "world": world, "losses": losses, "step_s": times, "microbatches": args.microbatches,
                "layers": dispatcher_metrics(model)}
         if rc is not None:
             out.update(run_config=args.run_config, overrides=list(args.overrides), seed=seed, steps=steps)

@@ -128,6 +128,9 @@ class LayerRuntime:
         self.store.refresh()
         plan, opened = self._plan(counts_DE, replay)
         t2 = time.perf_counter()
+        if opened:  # a new window of resident slots: fetch their weights (collective)
+            self.store.drop_window()
+            self.store.open_window(plan.placement, self.comm.exchange)
         window = self.store.window
         if not replay and window.moved and (training if training is not None else torch.is_grad_enabled()):
             window.in_flight += 1  # its backward (ResidentSlots') counts it off
@@ -159,8 +162,6 @@ class LayerRuntime:
         if self.policy.check_plan:
             self._check_plan(plan)
         if opened:
-            store.drop_window()
-            store.open_window(plan.placement, self.comm.exchange)
             self._recent.clear()
         self._recent[key] = plan  # only plans that passed the check are replayed
         self._recent.move_to_end(key)
@@ -272,6 +273,7 @@ class LayerRuntime:
             "token_bytes_sent": off_diag * token_bytes,
             # weights move when a window of resident slots opens (once per optimizer step), not per microbatch
             "weight_bytes_sent": plan.placement.move_bytes(expert_bytes) if opened else 0,
+            "weight_bytes_if_fetched": plan.weight_bytes(expert_bytes),  # per-microbatch movement would send
             "slots_fetched": opened,
             "resident_slots": int(plan.placement.is_moved_R.sum()),
             "plan_us": plan_us,

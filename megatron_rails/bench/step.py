@@ -1,0 +1,269 @@
+"""`megatron-rails bench step`: training-step time per policy, with gradient accumulation.
+
+A model of two MoE layers (residual), compute-dominant on CPU, trained by N gloo ranks pinned one
+per core (ranks sharing a core cannot show stragglers: only total work would count). One optimizer
+step = M microbatches (all but the last under `megatron_rails.no_sync()`, as Megatron's schedules
+run them) then SGD. Routing: uniform, zipf 1.2, zipf 2.0 (every microbatch its own tokens, so
+counts vary within a step) and forced-balanced (every expert the same count: the ideal).
+
+Every (routing, policy) pair runs one step per round, in an order rotating between rounds, so slow
+spells of the machine hit all alike; ratios are taken within a round and their median reported:
+    ratio_vs_none = this step / policy none's step (same routing, same round)
+    of_ideal      = policy none's forced-balanced step / this step (same round)
+Per row also: max/mean tokens per rank after balancing, expert-weight bytes moved per step (fetch
+and gradient return) beside what per-microbatch movement would send, and expert bytes per rank
+(parameters + gradients of the experts and the resident slots, measured by storage).
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from ..core.policy import as_policy
+from ..megatron import models
+from ..megatron.install import install, uninstall
+from ..runtime.residency import no_sync
+from .dispatcher import _skew_router
+
+SHAPE = dict(layers=2, hidden=256, ffn=1024, experts=8, topk=2, tokens=512)
+QUICK_SHAPE = dict(SHAPE, tokens=128)
+POLICIES = ["none", "eplb", "ultraep", "lp", "fsep", "default"]  # default: the shipped default config
+SKEWS = {"uniform": 0.0, "zipf:1.2": 1.2, "zipf:2.0": 2.0, "balanced": None}
+WARMUP = 1  # untimed rounds
+LR = 1e-3
+
+
+class BenchError(ValueError):
+    """Bad arguments for the step benchmark (one line, no traceback)."""
+
+
+def _policy(name: str):
+    if name == "default":
+        return as_policy("default")
+    return {"policy": name, "comm": "direct"}
+
+
+def _model(world: int, shape: dict, policy: str, s):
+    """Two MoE layers built under `policy`, routers skewed zipf(s) (s None: forced-balanced)."""
+    cfg = models.transformer_config(
+        num_layers=1, hidden_size=shape["hidden"], num_attention_heads=4, num_moe_experts=shape["experts"],
+        moe_router_topk=shape["topk"], moe_token_dispatcher_type="alltoall", ffn_hidden_size=shape["ffn"],
+        moe_ffn_hidden_size=shape["ffn"], add_bias_linear=False, expert_model_parallel_size=world,
+        use_cpu_initialization=True, moe_aux_loss_coeff=0.0, gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu, bias_activation_fusion=False,
+        moe_router_load_balancing_type="none")
+    install(_policy(policy))
+    try:
+        torch.manual_seed(0)
+        layers = torch.nn.ModuleList([models.build_moe_layer(cfg) for _ in range(shape["layers"])])
+    finally:
+        uninstall()
+    u = _direction(shape["hidden"])
+    for layer in layers:
+        if s is None:
+            models.force_balanced_routing(layer)
+        else:
+            _skew_router(layer.router.weight, u, s)
+    return layers
+
+
+def _direction(H: int) -> torch.Tensor:
+    u = np.random.default_rng(5).standard_normal(H)
+    return torch.tensor(u / np.linalg.norm(u), dtype=torch.float32)
+
+
+def _microbatches(rank: int, shape: dict, m: int) -> list[torch.Tensor]:
+    """m inputs [T, 1, H] of this rank: noise plus 2 u (the router's skew direction), each its own."""
+    H, T = shape["hidden"], shape["tokens"]
+    u = _direction(H).numpy()
+    rng = np.random.default_rng(100 + rank)
+    return [torch.tensor(rng.standard_normal((T, H)) * 0.5 + 2.0 * u, dtype=torch.float32).view(T, 1, H)
+            for _ in range(m)]
+
+
+def _forward(layers, x):
+    for layer in layers:
+        x = x + layer(x)[0]
+    return x
+
+
+def _step(layers, opt, xs) -> None:
+    """One optimizer step: every microbatch but the last accumulates under no_sync()."""
+    for i, x in enumerate(xs):
+        with no_sync() if i < len(xs) - 1 else _Null():
+            (_forward(layers, x).pow(2).mean() / len(xs)).backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+class _Null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def expert_bytes(layer) -> tuple[int, int]:
+    """(bytes of the experts module's parameters and gradients, distinct storages; bytes of the
+    resident slots' weights and their gradient accumulator, the same size) for one layer on a rank."""
+    seen = {}
+    for p in layer.experts.parameters():
+        for t in (p, p.grad):
+            if t is not None:
+                st = t.untyped_storage()
+                seen[st.data_ptr()] = st.nbytes()
+    w = layer.token_dispatcher.store.window
+    slots = 2 * w.weights_NW.numel() * w.weights_NW.element_size() if w is not None and w.moved else 0
+    return sum(seen.values()), slots
+
+
+def _measure_memory(layers, xs) -> tuple[int, int]:
+    """expert_bytes summed over layers, right after a step's last backward (gradients present)."""
+    for i, x in enumerate(xs):
+        with no_sync() if i < len(xs) - 1 else _Null():
+            (_forward(layers, x).pow(2).mean() / len(xs)).backward()
+    got = np.sum([expert_bytes(layer) for layer in layers], axis=0)
+    for p in layers.parameters():
+        p.grad = None
+    return int(got[0]), int(got[1])
+
+
+def _worker(rank, world, store, shape, micro, reps, warmup, out):
+    os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[rank]})  # one core per rank
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    models.init_model_parallel(world)
+    cases = [(skew, p) for skew in SKEWS for p in POLICIES]
+    built = {(skew, p): _model(world, shape, p, SKEWS[skew]) for skew, p in cases}
+    opts = {c: torch.optim.SGD(m.parameters(), lr=LR) for c, m in built.items()}
+    xs = _microbatches(rank, shape, micro)
+    times = {c: [] for c in cases}
+    for it in range(reps + warmup):
+        k = (it * 5) % len(cases)
+        for c in cases[k:] + cases[:k]:
+            dist.barrier()
+            t0 = time.perf_counter()
+            _step(built[c], opts[c], xs)
+            dist.barrier()
+            if it >= warmup:
+                times[c].append(time.perf_counter() - t0)
+        if rank == 0:
+            print(f"  round {it + 1}/{reps + warmup} done", file=sys.stderr, flush=True)
+    steps = reps + warmup
+    ideal = np.array(times[("balanced", "none")])
+    rows = []
+    for skew, p in cases:
+        t = np.array(times[(skew, p)])
+        recs = [r for layer in built[(skew, p)] for r in layer.token_dispatcher.metrics]
+        fetch = sum(r["weight_bytes_sent"] for r in recs) / steps
+        experts, slots = _measure_memory(built[(skew, p)], xs)
+        per_micro = sum(r["weight_bytes_if_fetched"] for r in recs) / steps
+        rows.append({"policy": p, "skew": skew, "step_ms_p50": float(np.median(t) * 1e3),
+                     "ratio_vs_none": float(np.median(t / np.array(times[(skew, "none")]))),
+                     "of_ideal": float(np.median(ideal / t)),
+                     "max_over_mean_before": float(np.mean([r["max_over_mean_before"] for r in recs])),
+                     "max_over_mean_after": float(np.mean([r["max_over_mean_after"] for r in recs])),
+                     # fetched once, gradients returned once (same size)
+                     "weight_bytes_per_step": 2.0 * fetch,
+                     "weight_bytes_per_step_if_per_microbatch": 2.0 * per_micro,
+                     "expert_bytes_per_rank": experts + slots, "slot_bytes": slots})
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(rows, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def targets(rows: list[dict]) -> dict:
+    """The issue's targets, checked on the rows (True: met)."""
+    by = {(r["skew"], r["policy"]): r for r in rows}
+    stock_bytes = by[("uniform", "none")]["expert_bytes_per_rank"]
+    fsep = by[("uniform", "fsep")]
+    return {
+        "uniform_ratio_vs_none_le_1.03": {p: by[("uniform", p)]["ratio_vs_none"] <= 1.03 for p in POLICIES},
+        "zipf_of_ideal": {f"{s} {p}": by[(s, p)]["of_ideal"] >= (0.95 if p in ("ultraep", "lp") else 0.93)
+                          for s in ("zipf:1.2", "zipf:2.0") for p in ("ultraep", "lp", "fsep", "default")},
+        "fsep_uniform_weight_bytes_le_quarter_of_per_microbatch":
+            fsep["weight_bytes_per_step"] <= fsep["weight_bytes_per_step_if_per_microbatch"] / 4,
+        "fsep_expert_bytes_le_stock_plus_slots": fsep["expert_bytes_per_rank"] <= stock_bytes + fsep["slot_bytes"],
+    }
+
+
+def bench_step(out: str, ranks: int = 2, microbatches: int = 8, quick: bool = False, plot: str | None = None,
+               reps: int | None = None) -> dict:
+    cores = len(os.sched_getaffinity(0))
+    if ranks < 1 or ranks > cores:
+        raise BenchError(f"--ranks {ranks}: this machine gives us {cores} cores and every rank needs its own "
+                         f"(ranks sharing a core cannot show stragglers); use --ranks 1..{cores}")
+    if microbatches < 1:
+        raise BenchError(f"--microbatches {microbatches}: need at least 1")
+    shape = QUICK_SHAPE if quick else SHAPE
+    reps = reps if reps is not None else (1 if quick else 3)
+    warmup = 0 if quick else WARMUP
+    print(f"step bench: {ranks} gloo ranks (one core each), {shape['layers']} MoE layers, hidden "
+          f"{shape['hidden']}, ffn {shape['ffn']}, {shape['experts']} experts top-{shape['topk']}, "
+          f"{shape['tokens']} tokens/rank/microbatch, {microbatches} microbatches/step, "
+          f"{len(SKEWS) * len(POLICIES)} cases x {reps + warmup} rounds", file=sys.stderr)
+    tmp = out + ".rows"
+    with tempfile.TemporaryDirectory(prefix="rails-bench-") as rdzv:
+        mp.start_processes(_worker, args=(ranks, f"{rdzv}/store", shape, microbatches, reps, warmup, tmp),
+                           nprocs=ranks, start_method="spawn")
+    with open(tmp) as f:
+        rows = json.load(f)
+    os.remove(tmp)
+    res = {"meta": {"command": "megatron-rails bench step", "ranks": ranks, "microbatches": microbatches,
+                    "shape": shape, "reps": reps, "warmup": warmup, "lr": LR,
+                    "note": "CPU gloo, one rank per core. ratio_vs_none and of_ideal are medians of ratios "
+                            "taken within a round (see megatron_rails/bench/step.py)."},
+           "rows": rows, "targets": targets(rows)}
+    with open(out, "w") as f:
+        json.dump(res, f, indent=1)
+    print(table(rows))
+    if plot is not False:
+        plot_step(res, plot or os.path.splitext(out)[0] + ".png")
+    return res
+
+
+def table(rows: list[dict]) -> str:
+    """The rows as a markdown table (docs/benchmarks.md)."""
+    head = ("| routing | policy | step ms | vs none | of ideal | max/mean after | weight MB/step "
+            "(per-microbatch) | expert MB/rank |\n|---|---|---|---|---|---|---|---|")
+    lines = [head]
+    for r in rows:
+        lines.append(f"| {r['skew']} | {r['policy']} | {r['step_ms_p50']:.0f} | {r['ratio_vs_none']:.2f} | "
+                     f"{r['of_ideal']:.2f} | {r['max_over_mean_after']:.2f} | {r['weight_bytes_per_step'] / 1e6:.1f} "
+                     f"({r['weight_bytes_per_step_if_per_microbatch'] / 1e6:.1f}) | "
+                     f"{r['expert_bytes_per_rank'] / 1e6:.1f} |")
+    return "\n".join(lines)
+
+
+def plot_step(res: dict, png: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = res["rows"]
+    skews = list(dict.fromkeys(r["skew"] for r in rows))
+    fig, ax = plt.subplots(figsize=(8, 3.5))
+    width = 0.8 / len(POLICIES)
+    for i, p in enumerate(POLICIES):
+        vals = [next(r["of_ideal"] for r in rows if r["skew"] == s and r["policy"] == p) for s in skews]
+        ax.bar(np.arange(len(skews)) + i * width, vals, width, label=p)
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_xticks(np.arange(len(skews)) + width * (len(POLICIES) - 1) / 2, skews)
+    ax.set_ylabel("forced-balanced step / this step")
+    ax.set_title(f"bench step: {res['meta']['ranks']} ranks, {res['meta']['microbatches']} microbatches per step")
+    ax.legend(ncol=3, fontsize=8)
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,44 @@
+"""`megatron-rails bench step`: refuses more ranks than cores in one line; a quick run writes every
+(routing, policy) row with the issue's fields, and its figures hang together: `none` is its own
+reference, the forced-balanced routing really is balanced, fsep fetches its slots once per step
+(less than per-microbatch movement would send) and weights move only for balancing policies."""
+import json
+import os
+import subprocess
+import sys
+
+CLI = [sys.executable, "-m", "megatron_rails.cli", "bench", "step"]
+FIELDS = {"policy", "skew", "step_ms_p50", "ratio_vs_none", "of_ideal", "max_over_mean_after",
+          "weight_bytes_per_step", "expert_bytes_per_rank"}
+
+
+def test_more_ranks_than_cores_is_refused(tmp_path):
+    cores = len(os.sched_getaffinity(0))
+    p = subprocess.run(CLI + ["--out", str(tmp_path / "s.json"), "--ranks", str(cores + 1)], capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode != 0 and "Traceback" not in p.stderr
+    msg = p.stderr.strip().splitlines()[-1]
+    assert f"--ranks {cores + 1}" in msg and "core" in msg, p.stderr
+    assert not (tmp_path / "s.json").exists()
+
+
+def test_quick_run_rows(tmp_path):
+    out = tmp_path / "s.json"
+    ranks = min(2, len(os.sched_getaffinity(0)))
+    p = subprocess.run(CLI + ["--out", str(out), "--ranks", str(ranks), "--microbatches", "2", "--quick"],
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
+    res = json.loads(out.read_text())
+    rows = {(r["skew"], r["policy"]): r for r in res["rows"]}
+    skews = {"uniform", "zipf:1.2", "zipf:2.0", "balanced"}
+    policies = {"none", "eplb", "ultraep", "lp", "fsep", "default"}
+    assert set(rows) == {(s, p) for s in skews for p in policies}
+    for r in rows.values():
+        assert FIELDS <= set(r) and r["step_ms_p50"] > 0 and r["expert_bytes_per_rank"] > 0
+    for s in skews:
+        assert rows[(s, "none")]["ratio_vs_none"] == 1.0 and rows[(s, "none")]["weight_bytes_per_step"] == 0
+    assert rows[("balanced", "none")]["of_ideal"] == 1.0
+    assert abs(rows[("balanced", "none")]["max_over_mean_after"] - 1.0) < 1e-9
+    fsep = rows[("uniform", "fsep")]
+    assert 0 < fsep["weight_bytes_per_step"] <= fsep["weight_bytes_per_step_if_per_microbatch"]
+    assert os.path.exists(tmp_path / "s.png")
