@@ -35,6 +35,7 @@ test: venv
 
 bench: venv
 	$(BIN)/megatron-rails bench planners --out bench/planners.json
+	$(BIN)/megatron-rails bench step --out bench/step.json
 	$(BIN)/megatron-rails bench dispatcher --out bench/dispatcher.json
 	$(BIN)/megatron-rails bench rails --out bench/rails.json
 

@@ -1,6 +1,11 @@
 """`megatron-rails bench dispatcher`: one MoE layer, 4 gloo ranks, Mixtral-like shape scaled to CPU
 (8 experts top-2). Times forward+backward per layer for every policy against `none` at uniform
 routing and at a zipf-like skew, and records the balance each policy reaches. Results as JSON.
+
+A per-layer view: every timed layer step is an optimizer step of one microbatch (its slot weights
+are fetched and their gradients returned), and 4 ranks share 2 cores, so only the total work of the
+ranks counts and a balanced policy cannot show the straggler it removes. Training-step speedups are
+`bench step`'s (one rank per core, gradient accumulation).
 """
 from __future__ import annotations
 
@@ -17,6 +22,7 @@ import torch.multiprocessing as mp
 
 from ..megatron import models
 from ..megatron.install import install, uninstall
+from ..runtime.residency import new_step
 
 SHAPE = dict(hidden=256, ffn=512, experts=8, topk=2, tokens=1024)
 POLICIES = ["none", "eplb", "ultraep", "lp", "fsep", "fsep+rails"]  # +rails: comm rails, 2 virtual nodes
@@ -80,6 +86,7 @@ def _worker(rank, world, store, reps, warmup, out):
             k = it % len(POLICIES)
             for policy in POLICIES[k:] + POLICIES[:k]:
                 x = x0.clone().requires_grad_(True)
+                new_step()  # every timed layer step is an optimizer step of one microbatch: its slots are fetched
                 dist.barrier()
                 t0 = time.perf_counter()
                 y, _ = layers[policy](x)

@@ -207,7 +207,7 @@ def bench_step(out: str, ranks: int = 2, microbatches: int = 8, quick: bool = Fa
     if microbatches < 1:
         raise BenchError(f"--microbatches {microbatches}: need at least 1")
     shape = QUICK_SHAPE if quick else SHAPE
-    reps = reps if reps is not None else (1 if quick else 3)
+    reps = reps if reps is not None else (1 if quick else 6)
     warmup = 0 if quick else WARMUP
     print(f"step bench: {ranks} gloo ranks (one core each), {shape['layers']} MoE layers, hidden "
           f"{shape['hidden']}, ffn {shape['ffn']}, {shape['experts']} experts top-{shape['topk']}, "
