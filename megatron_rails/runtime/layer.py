@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from ..core.plan import SHARDED, Plan, PlanError, imbalance, stock_load_D
 from ..core.planners import make_planner
-from ..core.planners.step import choose
+from ..core.planners.step import choose, route_on
 from ..core.policy import PolicyConfig
 from .comm import all_gather_counts, collective_device, make_comm
 from .expert_kind import ExpertKind
@@ -156,6 +156,10 @@ class LayerRuntime:
             # on the resident placement
             fresh, _ = self.planner.plan(counts_DE, copy.deepcopy(self.state))
             plan, opened = choose(fresh, resident, counts_DE, locked=True)
+        elif window is not None and window.locked and self.state is None:
+            # the placement stays for this step and a stateless planner has nothing to learn from
+            # these counts: route them on it, skip planning afresh
+            plan, opened = route_on(resident, counts_DE, self.planner.name), False
         else:
             fresh, self.state = self.planner.plan(counts_DE, self.state)
             plan, opened = choose(fresh, resident, counts_DE, locked=window is not None and window.locked)
