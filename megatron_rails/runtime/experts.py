@@ -215,13 +215,18 @@ class ExpertStore:
 
 class ShardedExpertStore(ExpertStore):
     """FSEP layout: every expert's flat parameters live as D shards, shard k on rank k
-    (`shards` float [E, ceil(W/D)], a Parameter registered on the experts module); the stock
-    expert parameters are kept only as the checkpoint view and no longer train.
+    (`shards` float [E, ceil(W/D)], a Parameter registered on the experts module). The stock
+    expert parameters stay registered (their names and shapes are the checkpoint layout) but hold
+    no memory: each is a placeholder, one element expanded to the stock shape (stride 0), and no
+    longer trains. So a rank holds its shards of every expert plus the step's materialized slots.
 
     A step's slots are materialized by one all-to-all of shards (open_window); their accumulated
-    weight gradients travel back the same way and land in the shards (flush). `state_dict()` of the layer
-    writes the current shards back into the stock parameters first (a collective: every rank
-    saves), and `load_state_dict()` re-shards them, so checkpoints keep the stock layout.
+    weight gradients travel back the same way and land in the shards (flush). Checkpoints keep the
+    stock layout: `state_dict()` assembles the stock tensors from the shards (a collective: every
+    rank saves), `load_state_dict()` gives the stock parameters real memory again, loads them and
+    re-shards, and Megatron's `sharded_state_dict()` gets real stock tensors holding the shards'
+    values. Whatever gives the stock parameters memory again (those, or a framework's `.cuda()` /
+    `.bfloat16()`, which expand a placeholder to full size) is released at the next window.
     """
 
     PARAM = "rails_fsep_shards"
@@ -240,15 +245,17 @@ class ShardedExpertStore(ExpertStore):
         for p in self.params.values():
             p.requires_grad_(False)
         self.load_from_owners()
+        self.release_stock()
         experts._register_state_dict_hook(self._state_dict_hook)
+        experts.register_load_state_dict_pre_hook(lambda module, *args: self._before_load())
         experts.register_load_state_dict_post_hook(lambda module, keys: self._after_load(keys))
         # Megatron's distributed checkpoints read the stock parameters through sharded_state_dict(),
-        # not state_dict(): write the shards back first there too, and keep the shards out of it.
-        # (Loading goes through load_state_dict(), whose post-hook above re-shards.)
+        # not state_dict(): give them real memory holding the shards' values there, and keep the
+        # shards out of it. (Loading goes through load_state_dict(), whose hooks re-shard.)
         stock_sharded = getattr(experts, "sharded_state_dict", None)
         if stock_sharded is not None:
             def sharded_state_dict(*args, **kwargs):
-                self._write_back()
+                self._materialize_stock(self.gather_to_owners())
                 out = stock_sharded(*args, **kwargs)
                 return {k: v for k, v in out.items() if not k.endswith(self.PARAM)}
 
@@ -263,6 +270,27 @@ class ShardedExpertStore(ExpertStore):
 
     def _owned_flats(self) -> list[torch.Tensor]:
         return [torch.cat([t.detach().reshape(-1) for t in self._views(e)]) for e in self._owned()]
+
+    # -- the stock parameters: placeholders, real only around checkpoints ---------------------------
+    def stock_released(self) -> bool:
+        """Whether every stock parameter is a placeholder (holds one element of memory)."""
+        return all(_is_placeholder(p) for p in self.params.values())
+
+    @torch.no_grad()
+    def release_stock(self) -> None:
+        """Free the stock parameters' memory: each becomes one element expanded to its shape. A
+        tensor someone still holds (a checkpoint being written) keeps the old memory alive."""
+        for p in self.params.values():
+            if not _is_placeholder(p):
+                p.data = p.new_zeros(()).expand(p.shape)
+
+    @torch.no_grad()
+    def _materialize_stock(self, flats: list[torch.Tensor]) -> None:
+        """Give the stock parameters real memory holding the owned experts' flat vectors `flats`."""
+        for p in self.params.values():
+            if _is_placeholder(p):
+                p.data = torch.empty(p.shape, dtype=p.dtype, device=p.device)
+        self._scatter(flats)
 
     @torch.no_grad()
     def load_from_owners(self) -> None:
@@ -296,32 +324,42 @@ class ShardedExpertStore(ExpertStore):
             for t, piece in zip(self._views(e, source), torch.split(vec, self.numels)):
                 t.copy_(piece.view_as(t))
 
+    def _stock_tensors(self, flats: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Fresh tensors in the stock parameters' names, shapes and dtypes holding `flats`."""
+        out = {n: torch.zeros(p.shape, dtype=p.dtype, device=p.device) for n, p in self.params.items()}
+        self._scatter(flats, out.__getitem__)
+        return out
+
     def owner_layout_grads(self) -> dict[str, torch.Tensor]:
         """Gradients of the stock expert parameters (names relative to the experts module) implied
         by the shard gradients (collective)."""
         grad = self.shards.grad if self.shards.grad is not None else torch.zeros_like(self.shards)
-        out = {n: torch.zeros_like(p) for n, p in self.params.items()}
-        self._scatter(self.gather_to_owners(grad), out.__getitem__)
-        return out
+        return self._stock_tensors(self.gather_to_owners(grad))
 
-    @torch.no_grad()
-    def _write_back(self) -> None:
-        self._scatter(self.gather_to_owners())
+    def stock_weights(self) -> dict[str, torch.Tensor]:
+        """The stock expert parameters' current values (names relative to the experts module),
+        assembled from the shards (collective)."""
+        return self._stock_tensors(self.gather_to_owners())
 
     def _state_dict_hook(self, module, state, prefix, local_metadata):
-        self._write_back()
-        for name, p in self.params.items():
+        for name, t in self.stock_weights().items():
             key = prefix + name
             if key in state:
-                state[key] = p.detach().clone()
+                state[key] = t
         state.pop(prefix + self.PARAM, None)
         return state
+
+    def _before_load(self) -> None:
+        # the stock parameters receive the checkpoint; those it lacks (a partial load) keep the
+        # shards' current values
+        self._materialize_stock(self.gather_to_owners())
 
     def _after_load(self, keys) -> None:
         missing = [k for k in keys.missing_keys if k.endswith(self.PARAM)]
         for k in missing:  # stock checkpoints have no shards: they are rebuilt from the owners
             keys.missing_keys.remove(k)
         self.load_from_owners()
+        self.release_stock()
 
     def sources(self) -> list[torch.Tensor]:
         return [self.shards]
@@ -332,6 +370,7 @@ class ShardedExpertStore(ExpertStore):
     @torch.no_grad()
     def open_window(self, placement: Placement, exchange) -> Window:
         """Materialize every slot of `placement` from every rank's shards, once (collective)."""
+        self.release_stock()  # memory a checkpoint or a framework's cast gave them back
         p = placement
         D, me = self.num_ranks, self.rank
         order = np.lexsort((p.replica_slot_R, p.replica_rank_R))  # every slot, by (rank, slot)
@@ -404,3 +443,8 @@ class _ShardRows:
         if self.inverse is not None:
             return grad_N.index_select(0, self.inverse)
         return grad_N.new_zeros((self.E,) + tuple(grad_N.shape[1:])).index_add_(0, self.rows, grad_N)
+
+
+def _is_placeholder(p: torch.Tensor) -> bool:
+    """A tensor whose memory is one element (expanded), or empty."""
+    return p.untyped_storage().nbytes() <= p.element_size()
