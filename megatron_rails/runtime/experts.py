@@ -23,6 +23,7 @@ import torch
 
 from ..core.plan import Placement, owner_of_experts
 from . import residency
+from .comm.base import Pending
 from .expert_kind import ExpertKind
 from .local import permutation_and_inverse
 from .residency import ResidentSlots, Window
@@ -113,8 +114,10 @@ class ExpertStore:
         return self.window is not None and self.window.key != self.key()
 
     def drop_window(self) -> None:
-        if self.window is not None and self.window.pending:
-            residency.stale_warning(self)
+        if self.window is not None:
+            if self.window.pending:
+                residency.stale_warning(self)
+            self.window.weights()  # a fetch still running completes on every rank (collective)
         self.window = None
 
     def _flat(self, expert: int) -> torch.Tensor:
@@ -125,9 +128,11 @@ class ExpertStore:
         return {n: t.view(s) for n, t, s in zip(self.names, torch.split(vec_W, self.numels), self.shapes)}
 
     @torch.no_grad()
-    def open_window(self, placement: Placement, exchange) -> Window:
-        """Fetch every moved replica of `placement` from its owner, once (collective; every rank calls
-        it with the same placement). exchange(x, send_D, recv_D, traffic_DD): the all-to-all."""
+    def open_window(self, placement: Placement, comm) -> Window:
+        """Start fetching every moved replica of `placement` from its owner, once (collective; every
+        rank calls it with the same placement). comm: the exchange backend (runtime/comm); the fetch
+        runs in the background (exchange_async) until the window's weights are first read, the
+        gradients return by comm.exchange."""
         p = placement
         D, me = self.num_ranks, self.rank
         moved = np.flatnonzero(p.is_moved_R)
@@ -146,10 +151,10 @@ class ExpertStore:
         # the whole exchange, known to every rank from the placement (a RailS backend needs it)
         traffic_DD = np.zeros((D, D), dtype=np.int64)
         np.add.at(traffic_DD, (owner, dest), 1)
-        got_NW = exchange(buf, send_D, recv_D, traffic_DD) if moved.size else buf
-        self.window = Window(p, self.key(), got_NW, p.replica_slot_R[recv].astype(np.int64), bool(moved.size),
-                             route=dict(exchange=exchange, send_D=send_D, recv_D=recv_D, traffic_DD=traffic_DD,
-                                        send_experts=send_experts))
+        fetch = comm.exchange_async(buf, send_D, recv_D, traffic_DD) if moved.size else Pending.done(buf)
+        self.window = Window(p, self.key(), None, p.replica_slot_R[recv].astype(np.int64), bool(moved.size),
+                             route=dict(exchange=comm.exchange, send_D=send_D, recv_D=recv_D, traffic_DD=traffic_DD,
+                                        send_experts=send_experts), fetch=fetch)
         return self.window
 
     def slot_params(self, placement: Placement) -> tuple[dict[int, dict[str, torch.Tensor]], torch.Tensor | None]:
@@ -165,7 +170,7 @@ class ExpertStore:
             anchor, *pieces = ResidentSlots.apply(w, self, *sources)
         else:
             anchor = None
-            pieces = [t for row in w.weights_NW for t in torch.split(row[:self.flat_size], self.numels)]
+            pieces = [t for row in w.weights() for t in torch.split(row[:self.flat_size], self.numels)]
         k = len(self.names)
         return {int(s): {n: t.view(shape) for n, t, shape in zip(self.names, pieces[i * k:(i + 1) * k], self.shapes)}
                 for i, s in enumerate(w.slots_N)}, anchor
@@ -175,7 +180,7 @@ class ExpertStore:
         came from. Returns what this rank receives; the window owes nothing afterwards."""
         r = window.route
         acc = window.acc_NW if window.acc_NW is not None else \
-            window.weights_NW.new_zeros(window.weights_NW.shape, dtype=self.acc_dtype)
+            window.weights().new_zeros(window.weights().shape, dtype=self.acc_dtype)
         back = r["exchange"](acc, r["recv_D"], r["send_D"], np.ascontiguousarray(r["traffic_DD"].T))
         window.acc_NW, window.pending = None, False
         return back
@@ -368,8 +373,9 @@ class ShardedExpertStore(ExpertStore):
         return residency.epoch(), self.shards._version
 
     @torch.no_grad()
-    def open_window(self, placement: Placement, exchange) -> Window:
-        """Materialize every slot of `placement` from every rank's shards, once (collective)."""
+    def open_window(self, placement: Placement, comm) -> Window:
+        """Start materializing every slot of `placement` from every rank's shards, once (collective;
+        in the background, as ExpertStore.open_window)."""
         self.release_stock()  # memory a checkpoint or a framework's cast gave them back
         p = placement
         D, me = self.num_ranks, self.rank
@@ -384,10 +390,12 @@ class ShardedExpertStore(ExpertStore):
         n_send = np.bincount(dest, minlength=D)
         traffic_DD = np.broadcast_to(n_send, (D, D))  # every rank sends its shard of every slot
         buf = self.shards.detach() if idx is None else self.shards.detach().index_select(0, idx.rows)
-        got = exchange(buf, n_send.tolist(), [n_mine] * D, traffic_DD)  # [D * n_mine, shard], by source
-        self.window = Window(p, self.key(), _slot_major(got, D, n_mine), p.replica_slot_R[order][mine].astype(np.int64),
-                             bool(order.size), route=dict(exchange=exchange, idx=idx, n_send=n_send.tolist(),
-                                                          n_mine=n_mine, traffic_DD=traffic_DD))
+        # [D * n_mine, shard] by source rank, then every slot's D shards in a row
+        fetch = comm.exchange_async(buf, n_send.tolist(), [n_mine] * D, traffic_DD).map(
+            lambda got: _slot_major(got, D, n_mine))
+        self.window = Window(p, self.key(), None, p.replica_slot_R[order][mine].astype(np.int64), bool(order.size),
+                             route=dict(exchange=comm.exchange, idx=idx, n_send=n_send.tolist(), n_mine=n_mine,
+                                        traffic_DD=traffic_DD), fetch=fetch)
         return self.window
 
     def _return_grads(self, window: Window) -> torch.Tensor:
@@ -395,7 +403,7 @@ class ShardedExpertStore(ExpertStore):
         float [E, ceil(W/D)], this rank's shards' gradients."""
         r, D = window.route, self.num_ranks
         acc = window.acc_NW if window.acc_NW is not None else \
-            window.weights_NW.new_zeros(window.weights_NW.shape, dtype=self.acc_dtype)
+            window.weights().new_zeros(window.weights().shape, dtype=self.acc_dtype)
         back = r["exchange"](_rank_major(acc, D), [r["n_mine"]] * D, r["n_send"],
                              np.ascontiguousarray(r["traffic_DD"].T))
         window.acc_NW, window.pending = None, False

@@ -5,10 +5,11 @@ The steps, in the order a token dispatcher calls them:
     dispatch(x_TH, routing_map_TE, probs_TE)  all-gather exact counts -> plan (the same on every rank)
                                               -> this rank's pairs in send order
     exchange_tokens(x_P, probs_P)             the all-to-all of tokens and probs (direct or RailS)
-    split_received(x_Q, probs_Q)              group received rows by slot; replica / FSEP slots are
-                                              computed here with weights from the expert store; owner
-                                              rows go back to the caller for the stock experts
-    merge(y_owner)                            owner outputs + slot outputs, back to the received order
+    split_received(x_Q, probs_Q)              group received rows by slot; owner rows go back to the
+                                              caller for the stock experts
+    merge(y_owner)                            replica / FSEP slots computed with weights from the
+                                              expert store (fetched in the background since dispatch);
+                                              owner outputs + slot outputs, back to the received order
     return_tokens(y_Q)                        the reverse all-to-all
     combine(y_P, T)                           every token's expert outputs summed
 
@@ -130,7 +131,7 @@ class LayerRuntime:
         t2 = time.perf_counter()
         if opened:  # a new window of resident slots: fetch their weights (collective)
             self.store.drop_window()
-            self.store.open_window(plan.placement, self.comm.exchange)
+            self.store.open_window(plan.placement, self.comm)
         window = self.store.window
         if not replay and window.moved and (training if training is not None else torch.is_grad_enabled()):
             window.in_flight += 1  # its backward (ResidentSlots') counts it off
@@ -182,37 +183,44 @@ class LayerRuntime:
         probs_Q = self.comm.exchange(probs_P.unsqueeze(-1), so.send_D, so.recv_D, send_DD).squeeze(-1)
         return x_Q, probs_Q
 
-    # -- 3. group by slot, compute the borrowed slots ---------------------------------------------
+    # -- 3. group by slot ---------------------------------------------------------------------------
     def split_received(self, x_Q: torch.Tensor, probs_Q: torch.Tensor):
         """Received rows grouped by slot. Returns (x_owner [Q_own, H], tokens per owner slot (int64
-        numpy [L]), probs_owner [Q_own]) for the stock experts; replica / FSEP slots are computed
-        here (their outputs wait for `merge`)."""
+        numpy [L]), probs_owner [Q_own]) for the stock experts; the replica / FSEP slots' rows wait
+        for `merge`, which computes them after the stock experts, so that the slot weights' fetch
+        (started in dispatch) runs under the token all-to-all and the owners' compute."""
         plan = self.plan
-        L, S = plan.placement.owner_slots, plan.placement.slots_per_rank
+        L = plan.placement.owner_slots
         self.recv_order, self.recv_inverse, per_slot = receive_order(plan, self.rank, x_Q.device)
         x_Q, probs_Q = rows(x_Q, self.recv_order, self.recv_inverse), rows(probs_Q, self.recv_order, self.recv_inverse)
         n_owner = int(per_slot[:L].sum())
-        weights, anchor = self.store.slot_params(plan.placement)
-        self.slot_outs = []
-        start = n_owner
-        for s in range(L, S):
-            n = int(per_slot[s])
-            if n:
-                self.slot_outs.append(self.store.compute(weights[s], x_Q[start:start + n], probs_Q[start:start + n]))
-            start += n
-        if anchor is not None:  # keep the weight exchange in the graph on every rank (see ExpertStore.fetch):
-            # zero rows, concatenated with the outputs in merge
-            self.slot_outs.append(anchor.view(0, x_Q.shape[-1]))
+        self.slot_rows = (x_Q[n_owner:], probs_Q[n_owner:], per_slot[L:])
         return x_Q[:n_owner], per_slot[:L], probs_Q[:n_owner]
 
-    # -- 4-6. back ---------------------------------------------------------------------------------
+    # -- 4-6. the slots, then back ------------------------------------------------------------------
+    def _slot_outputs(self, H: int) -> list[torch.Tensor]:
+        """The replica / FSEP slots' outputs for the rows split_received kept, in slot order, and the
+        weight exchange's anchor (zero rows) that keeps its autograd node on every rank."""
+        x_N, probs_N, per_slot = self.slot_rows
+        self.slot_rows = None
+        L = self.plan.placement.owner_slots
+        weights, anchor = self.store.slot_params(self.plan.placement)  # waits for the fetch
+        outs, start = [], 0
+        for s, n in enumerate(per_slot.tolist(), start=L):
+            if n:
+                outs.append(self.store.compute(weights[s], x_N[start:start + n], probs_N[start:start + n]))
+            start += n
+        if anchor is not None:
+            outs.append(anchor.view(0, H))
+        return outs
+
     def merge(self, y_owner: torch.Tensor) -> torch.Tensor:
-        """Owner outputs, then the slots' (and the weight exchange's anchor), back to the received
-        (source-major) order: y_Q [Q, H]."""
+        """The slots computed now; owner outputs, then the slots' (and the weight exchange's anchor),
+        back to the received (source-major) order: y_Q [Q, H]."""
+        slot_outs = self._slot_outputs(y_owner.shape[-1])
         y_Q = y_owner
-        if self.slot_outs:
-            y_Q = torch.cat([y_owner] + [y.to(y_owner.dtype) for y in self.slot_outs])
-        self.slot_outs = []
+        if slot_outs:
+            y_Q = torch.cat([y_owner] + [y.to(y_owner.dtype) for y in slot_outs])
         return rows(y_Q, self.recv_inverse, self.recv_order)
 
     def return_tokens(self, y_Q: torch.Tensor) -> torch.Tensor:

@@ -98,7 +98,8 @@ class Window:
 
     placement: the resident placement (the same on every rank).
     key:       (epoch, source parameter versions) when fetched; a different key means stale.
-    weights_NW: float [N, W'] this rank's slots' flat weights (W' >= W: FSEP pads to D shards), detached.
+    weights_NW: float [N, W'] this rank's slots' flat weights (W' >= W: FSEP pads to D shards), detached;
+               None while `fetch` (the exchange bringing them, a comm Pending) runs: read weights().
     slots_N:   int64 [N] the slot index of each row.
     moved:     whether any rank holds a moved slot (else there is nothing to fetch or return).
     route:     what the store needs to return gradients (its fetch exchange's split sizes).
@@ -116,6 +117,14 @@ class Window:
     acc_NW: Optional[torch.Tensor] = None
     pending: bool = False
     in_flight: int = 0
+    fetch: object = None
+
+    def weights(self) -> torch.Tensor:
+        """weights_NW, waiting for the fetch the first time (the exchange runs in the background
+        from the plan until the slots are first computed)."""
+        if self.fetch is not None:
+            self.weights_NW, self.fetch = self.fetch.wait(), None
+        return self.weights_NW
 
     @property
     def locked(self) -> bool:
@@ -142,8 +151,9 @@ class ResidentSlots(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         numels = store.numels
         W = sum(numels)
-        pieces = [t for i in range(window.weights_NW.shape[0]) for t in torch.split(window.weights_NW[i, :W], numels)]
-        return (window.weights_NW.new_empty(0), *pieces)
+        weights_NW = window.weights()
+        pieces = [t for i in range(weights_NW.shape[0]) for t in torch.split(weights_NW[i, :W], numels)]
+        return (weights_NW.new_empty(0), *pieces)
 
     @staticmethod
     def backward(ctx, _anchor_grad, *grads):

@@ -1,5 +1,6 @@
 """Collective helpers shared by the exchanges: the count all-gather, where bookkeeping tensors
-live, the group timeout, and `CommError` for a failed collective."""
+live, the group timeout, `CommError` for a failed collective, and what an exchange started in the
+background (`Pending`, on a `side_group`) needs."""
 from __future__ import annotations
 
 import numpy as np
@@ -44,3 +45,59 @@ def group_timeout(group):
 
 def _short(ranks) -> str:
     return str(ranks) if len(ranks) <= 8 else f"[{ranks[0]}..{ranks[-1]}] ({len(ranks)})"
+
+
+def describe_failure(group, what: str, err: Exception) -> CommError:
+    """A CommError naming the collective, the group's ranks and the underlying error's first line."""
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+    first = str(err).splitlines()[0] if str(err) else ""
+    return CommError(f"rank {dist.get_rank()}: {what} over ranks {_short(ranks)} failed: a peer rank probably "
+                     f"died or timed out ({type(err).__name__}: {first})")
+
+
+class Pending:
+    """An exchange running in the background: `wait()` blocks until it is done and returns its
+    result, `then(out)` applied once (a reordering of the received rows). Holds the send buffer
+    until then (NCCL reads it asynchronously)."""
+
+    def __init__(self, out: torch.Tensor, work=None, then=None, send=None, group=None):
+        self._out, self._work, self._then, self._send, self._group = out, work, then, send, group
+
+    @classmethod
+    def done(cls, out: torch.Tensor) -> "Pending":
+        return cls(out)
+
+    @property
+    def ready(self) -> bool:
+        return self._work is None
+
+    def map(self, then) -> "Pending":
+        """This exchange's result passed through then(result) when waited for."""
+        prev = self._then
+        self._then = then if prev is None else (lambda out: then(prev(out)))
+        return self
+
+    def wait(self) -> torch.Tensor:
+        if self._work is not None:
+            try:
+                self._work.wait()
+            except RuntimeError as err:
+                raise describe_failure(self._group, "a background all-to-all", err) from err
+            self._work = self._send = None
+        if self._then is not None:
+            self._out, self._then = self._then(self._out), None
+        return self._out
+
+
+_SIDE: dict = {}  # EP group ranks -> a second process group over the same ranks
+
+
+def side_group(group):
+    """A second process group over `group`'s ranks, created once per process (only its members
+    take part), for exchanges that run in the background: its own gloo threads / NCCL communicator
+    and stream, so they proceed beside the token all-to-alls on `group` instead of queueing with
+    them. Inherits the group's timeout."""
+    ranks = tuple(dist.get_process_group_ranks(group) if group is not None else range(dist.get_world_size()))
+    if ranks not in _SIDE:
+        _SIDE[ranks] = dist.new_group(list(ranks), timeout=group_timeout(group), use_local_synchronization=True)
+    return _SIDE[ranks]

@@ -6,7 +6,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from .base import CommError, _short
+from .base import Pending, describe_failure, side_group
 
 
 def _a2a(x: torch.Tensor, send_D: Sequence[int], recv_D: Sequence[int], group) -> torch.Tensor:
@@ -14,11 +14,24 @@ def _a2a(x: torch.Tensor, send_D: Sequence[int], recv_D: Sequence[int], group) -
     try:
         dist.all_to_all_single(out, x.contiguous(), list(map(int, recv_D)), list(map(int, send_D)), group=group)
     except RuntimeError as err:  # DistBackendError / gloo socket errors / timeouts
-        ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
-        raise CommError(f"rank {dist.get_rank()}: all-to-all over ranks {_short(ranks)} failed: a peer rank "
-                        f"probably died or timed out ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})"
-                        ) from err
+        raise describe_failure(group, "all-to-all", err) from err
     return out
+
+
+@torch.no_grad()
+def start_all_to_all(x: torch.Tensor, send_D: Sequence[int], recv_D: Sequence[int], group) -> Pending:
+    """all_to_all's exchange started in the background on `group` (not differentiable): the
+    Pending's wait() gives [sum(recv_D), ...] rows in source-rank order."""
+    if dist.get_world_size(group) == 1:
+        return Pending.done(x)
+    send = x.detach().contiguous()
+    out = x.new_empty((int(sum(recv_D)),) + tuple(x.shape[1:]))
+    try:
+        work = dist.all_to_all_single(out, send, list(map(int, recv_D)), list(map(int, send_D)), group=group,
+                                      async_op=True)
+    except RuntimeError as err:
+        raise describe_failure(group, "a background all-to-all", err) from err
+    return Pending(out, work, send=send, group=group)
 
 
 class _AllToAll(torch.autograd.Function):
@@ -55,6 +68,11 @@ class DirectAllToAll:
         """x: send_D[j] rows for rank j, in rank order -> recv_D[j] rows from rank j, in rank order.
         traffic_DD (the full [D, D] send matrix) is accepted for a uniform interface and unused."""
         return all_to_all(x, send_D, recv_D, self.group)
+
+    def exchange_async(self, x: torch.Tensor, send_D: Sequence[int], recv_D: Sequence[int],
+                       traffic_DD=None) -> Pending:
+        """exchange() started in the background on a side group (not differentiable; for weights)."""
+        return start_all_to_all(x, send_D, recv_D, side_group(self.group))
 
     def sprays(self, traffic_DD) -> bool:
         return False

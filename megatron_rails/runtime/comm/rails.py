@@ -28,8 +28,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .base import collective_device, group_timeout
-from .direct import all_to_all
+from .base import Pending, collective_device, group_timeout, side_group
+from .direct import all_to_all, start_all_to_all
 from ...core.rails_schedule import RailSchedule, rail_imbalance, rails_schedule
 from ...core.topology import Topology
 
@@ -99,6 +99,25 @@ class RailsAllToAll:
                  traffic_DD: Optional[np.ndarray] = None) -> torch.Tensor:
         """x: rows for EP rank j in order, send_D[j] of them -> rows from EP rank j in order,
         recv_D[j] of them (as all_to_all_single)."""
+        steps, row_bytes = self._route(x, send_D, recv_D, traffic_DD)
+        if steps is None:  # the rails are even enough: one direct all-to-all
+            return all_to_all(x, send_D, recv_D, self.group)
+        return self._spray(x, steps, row_bytes)
+
+    def exchange_async(self, x: torch.Tensor, send_D: Sequence[int], recv_D: Sequence[int],
+                       traffic_DD: Optional[np.ndarray] = None) -> Pending:
+        """exchange() started in the background (not differentiable; for weights). A direct exchange
+        runs on a side group; a sprayed one runs now (each phase sends what the previous delivered),
+        and the Pending is already done."""
+        steps, row_bytes = self._route(x, send_D, recv_D, traffic_DD)
+        if steps is None:
+            return start_all_to_all(x, send_D, recv_D, side_group(self.group))
+        with torch.no_grad():
+            return Pending.done(self._spray(x, steps, row_bytes))
+
+    def _route(self, x, send_D, recv_D, traffic_DD) -> tuple[Optional[dict], int]:
+        """(the sprayed schedule's steps for this exchange or None for the direct path, bytes per
+        row); counts a direct exchange's bytes."""
         if traffic_DD is None:
             traffic_DD = self._gather_traffic(send_D)
         traffic = np.asarray(traffic_DD, dtype=np.int64)
@@ -108,11 +127,14 @@ class RailsAllToAll:
         steps = self._steps(traffic)
         row_bytes = x.element_size() * int(np.prod(x.shape[1:], dtype=np.int64))
         self.last_sprayed = steps is not None
-        if steps is None:  # the rails are even enough: one direct all-to-all
+        if steps is None:
             self.direct += 1
             off = self._off_node
             np.add.at(self.rail_bytes_sent, self._rail_of_dst[off], traffic[self.me][off] * row_bytes)
-            return all_to_all(x, send_D, recv_D, self.group)
+        return steps, row_bytes
+
+    def _spray(self, x: torch.Tensor, steps: dict, row_bytes: int) -> torch.Tensor:
+        """The three phases of a sprayed exchange (differentiable)."""
         self.sprayed += 1
         self.last_schedule = steps["schedule"]
         self.rail_bytes_sent[self.rail] += steps["rail_rows"] * row_bytes

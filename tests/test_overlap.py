@@ -1,0 +1,70 @@
+"""The slot weights' fetch runs in the background from the plan until the slots are computed.
+
+On 2 gloo ranks with skewed routing (so replicas / FSEP slots move), for the step's first microbatch:
+when the token all-to-all starts and when the stock experts compute the owner slots, the fetch is
+still outstanding (not waited for); the slots are computed after the stock experts; the output
+equals the stock allgather dispatcher's. The fetch runs on a process group of its own, so it does
+not queue behind the token exchanges.
+"""
+import torch
+
+from moe_harness import build_moe_layer, moe_config, spawn
+
+E, H, T = 8, 16, 48
+
+
+def _worker(rank, world, policy):
+    import megatron_rails
+    from megatron_rails import new_step
+    from megatron_rails.runtime.comm.base import side_group
+
+    torch.manual_seed(3)
+    stock = build_moe_layer(moe_config(world, "allgather", experts=E, hidden=H))
+    megatron_rails.install({"policy": policy, "slots": 2, "comm": "direct", "tolerance": 0.0})
+    try:
+        rails = build_moe_layer(moe_config(world, "alltoall", experts=E, hidden=H))
+    finally:
+        megatron_rails.uninstall()
+    rails.load_state_dict(stock.state_dict())
+    with torch.no_grad():  # every token prefers expert 0: its owner rank straggles
+        for layer in (stock, rails):
+            layer.router.weight[0].add_(3.0)
+    runtime = rails.token_dispatcher.runtime
+    events = []
+
+    def spy(name, fn):
+        def wrapped(*args, **kwargs):
+            window = runtime.store.window
+            events.append((name, window is not None and window.fetch is not None))
+            return fn(*args, **kwargs)
+        return wrapped
+
+    runtime.exchange_tokens = spy("tokens", runtime.exchange_tokens)
+    rails.experts.forward = spy("owners", rails.experts.forward)
+    runtime.store.compute = spy("slot", runtime.store.compute)
+
+    x = torch.randn(T, 1, H, generator=torch.Generator().manual_seed(rank)) + 0.5
+    for micro in range(2):
+        events.clear()
+        out = rails(x.clone())[0]
+        out.sum().backward()
+        want = stock(x.clone())[0]
+        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+        first = {name: pending for name, pending in reversed(events)}  # the first event of each kind
+        assert [n for n, _ in events if n != "slot"] == ["tokens", "owners"], events
+        if micro == 0:
+            assert runtime.metrics[-1]["slots_fetched"], f"{policy}: expected a fetch in the first microbatch"
+            assert first["tokens"] and first["owners"], f"rank {rank}, {policy}: the fetch was waited for early: {events}"
+        else:  # resident: nothing to wait for
+            assert not runtime.metrics[-1]["slots_fetched"] and not first["tokens"], events
+        slots = [i for i, (n, _) in enumerate(events) if n == "slot"]
+        assert all(i > events.index(("owners", first["owners"])) for i in slots), \
+            f"{policy}: slots computed before the stock experts: {events}"
+        assert runtime.store.window.fetch is None
+    new_step()
+    assert side_group(runtime.group) is not runtime.group
+
+
+def test_weight_fetch_runs_under_tokens_and_owner_compute():
+    for policy in ("ultraep", "fsep"):
+        spawn(_worker, 2, policy)
