@@ -101,17 +101,45 @@ def test_compute_is_hand_computed_flops_on_the_busiest_rank():
 
 def test_weights_and_overlap_options(capsys):
     base = ["--steps", "1", "--policies", "none,fsep,ultraep", "--comm", "direct"]
-    plain = {r["policy"]: r for r in sim_json(capsys, X7, *base)["rows"]}
-    hidden = {r["policy"]: r for r in sim_json(capsys, X7, *base, "--overlap", "weights")["rows"]}
+    every = {r["policy"]: r for r in sim_json(capsys, X7, *base, "--weight-sync", "microbatch")["rows"]}
+    hidden = {r["policy"]: r for r in sim_json(capsys, X7, *base, "--weight-sync", "microbatch",
+                                               "--overlap", "weights")["rows"]}
     once = {r["policy"]: r for r in sim_json(capsys, X7, *base, "--weight-sync", "iteration")["rows"]}
+    m = 32  # microbatches per iteration of the shipped 8x7B config
     for pol in ("fsep", "ultraep"):
-        assert plain[pol]["breakdown"]["weights_ms"] > 0
-        assert hidden[pol]["breakdown"]["weights_ms"] <= plain[pol]["breakdown"]["weights_ms"]
-        assert once[pol]["breakdown"]["weights_ms"] < plain[pol]["breakdown"]["weights_ms"] / 10
-        assert plain[pol]["breakdown"]["expert_compute_ms"] == hidden[pol]["breakdown"]["expert_compute_ms"]
+        assert every[pol]["breakdown"]["weights_ms"] > 0
+        assert hidden[pol]["breakdown"]["weights_ms"] <= every[pol]["breakdown"]["weights_ms"]
+        # one fetch + one gradient return per iteration instead of one per microbatch: 1/m of the time
+        assert once[pol]["weights_total_ms_per_layer"] == pytest.approx(
+            every[pol]["weights_total_ms_per_layer"] / m, rel=1e-9)
+        assert 0 < once[pol]["breakdown"]["weights_ms"] < every[pol]["breakdown"]["weights_ms"] / 10
+        assert every[pol]["breakdown"]["expert_compute_ms"] == hidden[pol]["breakdown"]["expert_compute_ms"]
+        assert once[pol]["breakdown"]["expert_compute_ms"] == every[pol]["breakdown"]["expert_compute_ms"]
+        # the bytes of one fetch do not depend on how often it happens
+        assert once[pol]["weight_bytes_per_layer"] == every[pol]["weight_bytes_per_layer"]
     # fsep: every slot with tokens gathers 7/8 of a 3 x 4096 x 14336 bf16 expert
-    assert plain["fsep"]["weight_bytes_per_layer"] > 0
-    assert plain["none"]["weight_bytes_per_layer"] == 0
+    assert every["fsep"]["weight_bytes_per_layer"] > 0
+    assert every["none"]["weight_bytes_per_layer"] == 0
+
+
+def test_weight_sync_defaults_to_iteration(capsys):
+    """The dispatcher keeps replica / FSEP slot weights resident for an optimizer step, so the default
+    run prices exactly `--weight-sync iteration`; on a skewed workload fsep moves weights, and
+    `--weight-sync microbatch` costs it more."""
+    base = ["--steps", "1", "--policies", "none,fsep", "--comm", "direct", "--skew", "zipf:1.2"]
+    default = sim_json(capsys, X7, *base)
+    once = sim_json(capsys, X7, *base, "--weight-sync", "iteration")
+    every = sim_json(capsys, X7, *base, "--weight-sync", "microbatch")
+    assert default["options"]["weight_sync"] == "iteration"
+    assert "once per iteration" in default["assumptions"]["weight_sync"]
+    fsep = {name: next(r for r in res["rows"] if r["policy"] == "fsep")
+            for name, res in (("default", default), ("once", once), ("every", every))}
+    assert fsep["default"]["breakdown"]["weights_ms"] > 0
+    assert fsep["default"]["breakdown"]["weights_ms"] == fsep["once"]["breakdown"]["weights_ms"]
+    assert fsep["default"]["weights_total_ms_per_layer"] == fsep["once"]["weights_total_ms_per_layer"]
+    assert fsep["every"]["breakdown"]["weights_ms"] > fsep["default"]["breakdown"]["weights_ms"]
+    assert fsep["every"]["iteration_ms"] > fsep["default"]["iteration_ms"]
+    assert SimOptions().weight_sync == "iteration"
 
 
 def test_json_keys_and_plot(capsys, tmp_path):

@@ -34,9 +34,9 @@ def register_run(subparsers) -> None:
     p.add_argument("--mfu", type=float, default=0.5, help="GEMM efficiency: achieved / peak gpu_tflops (default 0.5)")
     p.add_argument("--overlap", choices=OVERLAPS, default="none",
                    help="none: everything in sequence (default); weights: weight movement hidden behind dense compute")
-    p.add_argument("--weight-sync", choices=WEIGHT_SYNCS, default="microbatch",
-                   help="microbatch: weights move every microbatch, as the dispatcher does (default); "
-                        "iteration: once per iteration, kept for all its microbatches")
+    p.add_argument("--weight-sync", choices=WEIGHT_SYNCS, default="iteration",
+                   help="iteration: weights move once per iteration and stay for all its microbatches, as the "
+                        "dispatcher does (default); microbatch: they move every microbatch (no resident slots)")
     p.add_argument("--a2a-model", choices=A2A_MODELS, default="fluid",
                    help="all-to-all time: fluid (pipelined, default) or phased (store-and-forward per phase)")
     p.add_argument("--json", action="store_true", help="print one JSON object (setup, options, assumptions, rows)")

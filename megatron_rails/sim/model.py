@@ -22,13 +22,15 @@ EP group's slice of the topology (`ep_topology`):
   tokens    dispatch sends plan.send_DD rows of H x 2 bytes (bf16), combine the transpose; backward
             repeats both in reverse: (forward passes + 1) x (t(send) + t(send^T)) per microbatch.
   weights   owner layout (eplb, ultraep, lp): every replica with tokens that is not an owner copy is
-            fetched whole from its owner (3HF x 2 bytes), every microbatch, as our dispatcher does;
-            its gradient returns the same way (bf16). Sharded layout (fsep): every slot with tokens
-            gathers the 1/D shard of its expert from each other rank (the forward all-gather) and
-            returns the gradient shards (the backward reduce-scatter). Weights move in 1 MiB units,
-            so RailS can spray them. `--weight-sync iteration` instead moves them once per iteration
-            and keeps them for all its microbatches (the plan is then fixed for the iteration: an
-            optimistic bound on caching replicas, and what a per-iteration re-layout needs).
+            fetched whole from its owner (3HF x 2 bytes); its gradient returns the same way (bf16).
+            Sharded layout (fsep): every slot with tokens gathers the 1/D shard of its expert from each
+            other rank (the forward all-gather) and returns the gradient shards (the backward
+            reduce-scatter). Weights move in 1 MiB units, so RailS can spray them. `--weight-sync
+            iteration` (default) moves them once per iteration, keeps them for all its microbatches
+            and returns the gradients once, as our dispatcher's resident slots do (owner weights only
+            change at the optimizer step). `microbatch` fetches them and returns the gradients every
+            microbatch (and again for each recomputed forward): what a dispatcher without resident
+            slots would do.
   planner   the measured median wall time of planner.plan on the simulated counts (this machine's
             CPU), once per forward pass; the counts all-gather is not modeled.
 
@@ -48,7 +50,7 @@ from .rails import build_schedule, simulate_schedule
 from ..core.topology import Topology
 
 OVERLAPS = ("none", "weights")
-WEIGHT_SYNCS = ("microbatch", "iteration")
+WEIGHT_SYNCS = ("iteration", "microbatch")
 A2A_MODELS = ("fluid", "phased")
 CHUNK_BYTES = 1 << 20  # unit of weight traffic (1 MiB)
 
@@ -62,7 +64,7 @@ class SimOptions:
     mfu: float = 0.5              # achieved / peak dense bf16 FLOP rate, for every GEMM
     overlap: str = "none"         # none | weights
     a2a_model: str = "fluid"      # fluid | phased (megatron_rails.sim.rails)
-    weight_sync: str = "microbatch"  # microbatch | iteration
+    weight_sync: str = "iteration"  # iteration (resident for the step) | microbatch
     dtype_bytes: int = 2          # activations and weights (bf16)
     grad_bytes: int = 2           # returned weight gradients (bf16)
 

@@ -209,8 +209,9 @@ def simulate_run(setup: Setup, opts: SimOptions, policies, comms, steps: int, wo
 
 
 SYNC_TEXT = {
-    "microbatch": "replica / FSEP slot weights fetched and their grads returned every microbatch (our dispatcher)",
-    "iteration": "weights fetched once per iteration and kept for all its microbatches, grads returned once",
+    "iteration": "replica / FSEP slot weights fetched once per iteration and kept for all its microbatches, "
+                 "grads returned once (our dispatcher)",
+    "microbatch": "weights fetched and grads returned every microbatch (a dispatcher without resident slots)",
 }
 OVERLAP_TEXT = {
     "none": "nothing overlaps: planner, weight movement, token all-to-all and expert compute run in sequence",
