@@ -48,8 +48,8 @@ def _worker(rank, world):
     store = rails.token_dispatcher.store
     stock_params = [p for n, p in rails.experts.named_parameters() if not n.endswith(store.PARAM)]
     esize = stock_params[0].element_size()
-    # the shards pad every expert to a multiple of D elements; each stock parameter keeps one element
-    slack = (E * (world - 1) + len(stock_params)) * esize
+    # the shards pad every expert to a multiple of D elements; the stock parameters share one element
+    slack = (E * (world - 1) + 1) * esize
     stock_bytes = _expert_bytes(stock)
 
     def check(where, slot_bytes=0):

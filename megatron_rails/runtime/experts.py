@@ -283,11 +283,15 @@ class ShardedExpertStore(ExpertStore):
 
     @torch.no_grad()
     def release_stock(self) -> None:
-        """Free the stock parameters' memory: each becomes one element expanded to its shape. A
-        tensor someone still holds (a checkpoint being written) keeps the old memory alive."""
+        """Free the stock parameters' memory: each becomes one shared element expanded to its shape.
+        A tensor someone still holds (a checkpoint being written) keeps the old memory alive."""
+        zero = {}  # one element per dtype and device, shared by every placeholder of this store
         for p in self.params.values():
             if not _is_placeholder(p):
-                p.data = p.new_zeros(()).expand(p.shape)
+                key = (p.dtype, p.device)
+                if key not in zero:
+                    zero[key] = p.new_zeros(())
+                p.data = zero[key].expand(p.shape)
 
     @torch.no_grad()
     def _materialize_stock(self, flats: list[torch.Tensor]) -> None:
