@@ -1,8 +1,8 @@
 """FSEP holds its shards and the step's slots, not a stock copy beside them (runtime/experts.py).
 
 Storage bytes of the experts module's parameters per rank, measured (distinct storages), against a
-stock Megatron-Core layer of the same shape: equal up to the shards' padding and one element per
-stock parameter. It stays so after training steps, after `state_dict()` / `load_state_dict()` and
+stock Megatron-Core layer of the same shape: equal up to the shards' padding and the one element the
+stock parameters share. It stays so after training steps, after `state_dict()` / `load_state_dict()` and
 after a cast that gives the stock parameters memory again (as `.cuda()` / `.bfloat16()` do: released
 at the next step); the outputs and the stock-layout state equal stock's throughout.
 """
