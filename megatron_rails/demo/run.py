@@ -14,6 +14,7 @@ import tempfile
 
 import numpy as np
 
+from ..core.errors import ChildFailed
 from ..core.presets import POLICY_DIR
 
 DEFAULT_CONFIG = POLICY_DIR / "default.yaml"  # the shipped preset (package data)
@@ -21,9 +22,9 @@ VIRTUAL_NODE = 2  # ranks per virtual node on CPU, so RailS and same-node routin
 
 
 def _run(policy_args: list[str], label: str, steps: int, ranks: int, out: str, quiet: bool,
-         microbatches: int, pin: bool) -> dict:
+         microbatches: int, pin: bool, shape: str) -> dict:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
-           "--standalone", "-m", "megatron_rails.demo.train",
+           "--standalone", "-m", "megatron_rails.demo.train", "--shape", shape,
            *policy_args, "--steps", str(steps), "--microbatches", str(microbatches), "--out", out,
            *(["--pin"] if pin else [])]
     env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
@@ -34,7 +35,7 @@ def _run(policy_args: list[str], label: str, steps: int, ranks: int, out: str, q
         if line.startswith("[") and " step " in line and not quiet:
             print(f"  {label}: {line.split('] ', 1)[1].rstrip()}", file=sys.stderr, flush=True)
     if proc.wait() != 0:
-        raise RuntimeError(f"training run '{label}' failed (exit {proc.returncode}):\n{''.join(tail)}")
+        raise ChildFailed(f"training run '{label}' failed (exit {proc.returncode}):\n{''.join(tail)}")
     with open(out) as f:
         return json.load(f)
 
@@ -93,7 +94,7 @@ def plot(bal: dict, png: str) -> None:
 
 
 def run_demo(config: str | None = None, steps: int = 20, ranks: int | None = None, json_out: bool = False,
-             png: str = "demo-imbalance.png", microbatches: int = 4) -> int:
+             png: str = "demo-imbalance.png", microbatches: int = 4, shape: str = "compute") -> int:
     config = str(config or DEFAULT_CONFIG)
     from ..core.policy import as_policy
 
@@ -109,9 +110,10 @@ def run_demo(config: str | None = None, steps: int = 20, ranks: int | None = Non
               f"{ranks // G} virtual node(s) x {G}, {steps} steps x {microbatches} microbatches, skewed routing; "
               f"policy none, then {pcfg.policy} (comm: {pcfg.comm}) from {config}", file=sys.stderr)
         node = ["--ranks-per-node", str(G)]
-        base = _run(["--policy", "none", *node], "none", steps, ranks, f"{tmp}/none.json", json_out, microbatches, pin)
+        base = _run(["--policy", "none", *node], "none", steps, ranks, f"{tmp}/none.json", json_out, microbatches, pin,
+                    shape)
         bal = _run(["--config", config, *node], pcfg.policy, steps, ranks, f"{tmp}/bal.json", json_out, microbatches,
-                   pin)
+                   pin, shape)
     bal["policy"] = pcfg.policy
     summary = summarize(base, bal)
     summary.update(comm=pcfg.comm, ranks_per_node=G, microbatches=microbatches, pinned=pin)

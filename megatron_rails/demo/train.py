@@ -46,6 +46,12 @@ class DemoShape:
     seq: int = 32
     micro_batch: int = 2
     skew: float = 3.0  # router logit bias of the hottest expert; bias_e = skew / rank_e^1.2
+    hot_first: bool = False  # the hottest experts are experts 0, 1, ... (one EP rank's), else a fixed shuffle
+
+
+# tiny: the tests' model; compute: experts large enough that expert compute, not per-call overhead,
+# dominates a step (as on real hardware), so that balance shows in step time (the `demo` command's)
+SHAPES = {"tiny": DemoShape(), "compute": DemoShape(hidden=256, ffn=1024, seq=128, skew=5.0, hot_first=True)}
 
 
 def init_distributed(timeout_s: float = 600.0) -> tuple[int, int]:
@@ -75,7 +81,7 @@ def build_model(shape: DemoShape, world: int, dispatcher: str, seed: int = 1234,
 
 def _skew_routers(model, shape: DemoShape) -> None:
     """Add a fixed zipf-like bias to every router's logits (demo-only skew injection)."""
-    order = np.random.default_rng(7).permutation(shape.experts)
+    order = np.arange(shape.experts) if shape.hot_first else np.random.default_rng(7).permutation(shape.experts)
     bias = torch.tensor(shape.skew / (1.0 + np.argsort(order)) ** 1.2, dtype=torch.float32)
     for mod in model.modules():
         if type(mod).__name__ == "TopKRouter":
@@ -210,6 +216,8 @@ def main(argv=None) -> int:
     ap.add_argument("--config", help="policy YAML (overrides --policy)")
     ap.add_argument("--slots", type=int, help="R for --policy (default 2)")
     ap.add_argument("--steps", type=int, help="optimizer steps (default 20)")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="tiny",
+                    help="model shape without --run-config (default tiny; compute: hidden 256, ffn 1024, seq 128)")
     ap.add_argument("--run-config", help="a run config YAML (configs/mini/*.yaml); overrides follow as KEY=VALUE")
     ap.add_argument("--ranks-per-node", type=int,
                     help="virtual node size for --policy/--config (default: 2, or the config's)")
@@ -234,7 +242,7 @@ def main(argv=None) -> int:
     elif args.overrides:
         ap.error(f"overrides ({args.overrides[0]} ...) need --run-config")
     else:
-        shape, steps = DemoShape(), 20 if args.steps is None else args.steps
+        shape, steps = SHAPES[args.shape], 20 if args.steps is None else args.steps
         label = args.config or args.policy or "none"
     if args.microbatches < 1:
         ap.error(f"--microbatches {args.microbatches}: need at least 1")
