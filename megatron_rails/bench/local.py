@@ -23,6 +23,7 @@ import time
 import numpy as np
 import torch
 
+from ..core.errors import InputError
 from ..core.policy import PolicyConfig
 from ..runtime.local import order_pairs, receive_order, rows, sum_pairs
 from ..core.planners import make_planner
@@ -33,6 +34,7 @@ SHAPES = {
     "mixtral-8x22b": dict(hidden=6144, experts=8, topk=2, tokens=4096, ep=8),
     "tiny": dict(hidden=64, experts=8, topk=2, tokens=256, ep=4),
 }
+DTYPES = ("bfloat16", "float16", "float32")  # hidden-state dtypes the timed kernels take
 POLICIES = ["none", "eplb", "ultraep", "lp", "fsep"]
 SKEWS = {"uniform": 0.0, "zipf:1.2": 1.2}
 
@@ -164,11 +166,16 @@ def _rows_for(policy: str, skew: str, shape: dict, dtype, device, reps: int, syn
 def bench_local(out: str, shape_name: str = "mixtral-8x7b", device: str = "cpu", dtype: str = "bfloat16",
                 reps: int = 50) -> dict:
     if shape_name not in SHAPES:
-        raise SystemExit(f"unknown shape {shape_name!r}; choose one of {', '.join(SHAPES)}")
+        raise InputError(f"--shape: unknown shape {shape_name!r}; choose one of {', '.join(SHAPES)}")
+    if dtype not in DTYPES:
+        raise InputError(f"--dtype: unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
     if device.startswith("cuda") and not torch.cuda.is_available():
-        raise SystemExit("--device cuda: no CUDA device is visible to torch here")
-    shape, dev = SHAPES[shape_name], torch.device(device)
-    dt = getattr(torch, dtype)
+        raise InputError("--device cuda: no CUDA device is visible to torch here")
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise InputError(f"--device: {device!r} is not a torch device (cpu, cuda, cuda:N)") from None
+    shape, dt = SHAPES[shape_name], getattr(torch, dtype)
     sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
     from ..megatron.models import MCORE_VERSION
 

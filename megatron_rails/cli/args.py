@@ -1,17 +1,126 @@
-"""argparse value checkers shared by the subcommands."""
+"""argparse pieces shared by the subcommands: the parser class (one-line errors, defaults shown in
+--help, a description for every subcommand) and value checkers whose errors name the flag and the
+allowed range. Bad input never reaches the code behind a command as a value it cannot use."""
 from __future__ import annotations
 
 import argparse
+import math
+import re
+from pathlib import Path
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends "(default: X)" to an option's help unless there is no value to show (None, a flag's
+    False) or the help already says what the default is."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        nothing = action.default in ([], None, argparse.SUPPRESS) or action.default is False
+        if nothing or "default" in text:  # `is`: a default of 0 is a value to show
+            return text
+        return super()._get_help_string(action)
+
+
+class _Subcommands(argparse._SubParsersAction):
+    """Subcommands whose --help opens with their one-line help, and which remember their full name
+    (`megatron-rails simulate run`) for error messages."""
+
+    def add_parser(self, name, **kwargs):
+        kwargs.setdefault("description", kwargs.get("help"))
+        parser = super().add_parser(name, **kwargs)
+        parser.set_defaults(command_prog=parser.prog)
+        return parser
+
+
+class CliParser(argparse.ArgumentParser):
+    """An ArgumentParser (its subcommands inherit the class) that reports a usage error in one line."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+        self.register("action", "parsers", _Subcommands)
+
+    def error(self, message):
+        # the usage block of a long command pushes the message off screen; --help has the usage.
+        # Checkers name their flag themselves: drop argparse's "argument --x: " before "--x ..."
+        message = re.sub(r"^argument (\S+): (?=\1\b)", "", message)
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _parse_int(name: str, text: str) -> int:
+    """An integer, also written as an integral float (1e6) as people type token counts."""
+    try:
+        return int(text)
+    except ValueError:
+        pass
+    try:
+        v = float(text)
+    except ValueError:
+        v = math.nan
+    if not (math.isfinite(v) and v.is_integer()):
+        raise argparse.ArgumentTypeError(f"{name} must be an integer, got {text!r}")
+    return int(v)
+
+
+def _range_text(lo, hi) -> str:
+    return f">= {lo}" + (f" and <= {hi}" if hi is not None else "")
+
+
+def int_range(name: str, lo: int, hi: int | None = None):
+    """argparse type: an integer in [lo, hi] (hi None: no upper bound)."""
+    def conv(text: str) -> int:
+        v = _parse_int(name, text)
+        if v < lo or (hi is not None and v > hi):
+            raise argparse.ArgumentTypeError(f"{name} must be {_range_text(lo, hi)}, got {text}")
+        return v
+    return conv
 
 
 def int_at_least(name: str, lo: int):
     """argparse type: an integer >= lo, with an error naming the flag."""
-    def conv(text: str) -> int:
+    return int_range(name, lo)
+
+
+def float_range(name: str, lo: float, hi: float):
+    """argparse type: a finite number in [lo, hi] (NaN and inf are refused: they pass every < test)."""
+    def conv(text: str) -> float:
         try:
-            v = int(text)
+            v = float(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be an integer, got {text!r}") from None
-        if v < lo:
-            raise argparse.ArgumentTypeError(f"{name} must be >= {lo}, got {v}")
+            raise argparse.ArgumentTypeError(f"{name} must be a number, got {text!r}") from None
+        if not (math.isfinite(v) and lo <= v <= hi):
+            raise argparse.ArgumentTypeError(f"{name} must be a finite number >= {lo:g} and <= {hi:g}, got {text}")
         return v
     return conv
+
+
+def divisor_of(name: str, n: int, what: str):
+    """argparse type: a positive integer dividing n (`what` says what n counts)."""
+    allowed = [d for d in range(1, n + 1) if n % d == 0]
+
+    def conv(text: str) -> int:
+        v = _parse_int(name, text)
+        if v not in allowed:
+            raise argparse.ArgumentTypeError(f"{name} must divide {what} ({n}): one of "
+                                             f"{', '.join(map(str, allowed))}, got {text}")
+        return v
+    return conv
+
+
+def out_file(name: str):
+    """argparse type: a path a result can be written to (its directory exists; it is not a directory),
+    checked before the work rather than after it."""
+    def conv(text: str) -> str:
+        p = Path(text)
+        if p.is_dir():
+            raise argparse.ArgumentTypeError(f"{name} {text!r} is a directory; give a file name")
+        if not p.parent.is_dir():
+            raise argparse.ArgumentTypeError(f"{name} {text!r}: directory {str(p.parent)!r} does not exist")
+        return text
+    return conv
+
+
+def flag_error(err) -> str:
+    """A config error "ranks_per_node: ..." from validating flags, as "--ranks-per-node: ..."."""
+    key, sep, rest = str(err).partition(": ")
+    return f"--{key.replace('_', '-')}: {rest}" if sep and key.isidentifier() else str(err)

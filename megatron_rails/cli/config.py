@@ -12,6 +12,8 @@ import dataclasses
 import shlex
 import sys
 
+from .args import out_file
+
 
 def _as_dict(obj) -> dict:
     return obj.to_dict() if hasattr(obj, "to_dict") else dataclasses.asdict(obj)
@@ -73,7 +75,9 @@ def cmd_show(args) -> int:
     data = _as_dict(obj)
     if args.megatron_args:
         if _kind(obj) != "run":
-            raise ValueError(f"{args.file}: --megatron-args needs a run config, this is a {_kind(obj)} config")
+            from ..core.policy import ConfigError
+
+            raise ConfigError(f"{args.file}: --megatron-args needs a run config, this is a {_kind(obj)} config")
         print(shlex.join(obj.megatron_args()))
         return 0
     if args.get:
@@ -103,15 +107,16 @@ def register(sub) -> None:
     """Add the `config` command to the top-level subparsers."""
     c = sub.add_parser("config", help="validate, show or document run/policy/topology YAML configs")
     csub = c.add_subparsers(dest="config_command", required=True)
-    v = csub.add_parser("validate", help="check files; prints OK per file, or every error naming file and key")
-    v.add_argument("files", nargs="+", metavar="FILE")
+    v = csub.add_parser("validate", help="check files; prints OK per file, or every error naming file and key "
+                                         "(exit 1 if any file is invalid)")
+    v.add_argument("files", nargs="+", metavar="FILE", help="run, policy or topology YAML files")
     v.set_defaults(func=cmd_validate)
     s = csub.add_parser("show", help="print the merged, validated config as YAML")
-    s.add_argument("file", metavar="FILE")
+    s.add_argument("file", metavar="FILE", help="a run, policy or topology YAML file")
     s.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="e.g. balancer.policy=ultraep")
     s.add_argument("--get", action="append", metavar="KEY", help="print only this dotted key (repeatable)")
     s.add_argument("--megatron-args", action="store_true", help="print the Megatron-LM flags of a run config")
     s.set_defaults(func=cmd_show)
     d = csub.add_parser("docs", help="print (or --out) docs/configuration.md, generated from the dataclasses")
-    d.add_argument("--out", help="write here instead of stdout")
+    d.add_argument("--out", type=out_file("--out"), help="write here instead of stdout")
     d.set_defaults(func=cmd_docs)

@@ -1,49 +1,104 @@
-"""`megatron-rails` command line: plan, bench, demo, config."""
+"""`megatron-rails` command line: plan, bench, simulate, trace, soak, demo, config.
+
+Every command checks its arguments before it works: a bad one exits 2 with one line naming it and what
+is allowed (`main` turns the package's input errors into that line; anything else is a bug and keeps its
+traceback)."""
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 
-import numpy as np
+from ..core.errors import ChildFailed, InputError, PlanError
+from .args import CliParser, divisor_of, flag_error, float_range, int_range, out_file
 
-from ..core.plan import PlanError
-
-
-def _add_workload_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--ranks", type=int, default=8, help="expert-parallel size D")
-    p.add_argument("--experts", type=int, default=8, help="number of experts E")
-    p.add_argument("--topk", type=int, default=2, help="experts per token")
-    p.add_argument("--tokens-per-rank", type=int, default=4096, help="tokens each rank routes per step")
-    p.add_argument("--slots", type=int, default=1,
-                   help="R: expert slots per rank beyond ceil(E/D) (redundant replicas; fsep uses ceil(E/D)+R)")
-    p.add_argument("--ranks-per-node", type=int, default=8, help="ranks sharing a node (G)")
-    p.add_argument("--skew", default="zipf:1.2",
-                   help="uniform | zipf:S | drift:S[:P] | bursty:S[:F] | one | file:PATH")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--counts", help="a saved counts matrix (.npy/.json, [D,E]) instead of a generated one")
+# bounds far beyond real expert parallelism, there so that a typo fails here and not in numpy
+MAX_RANKS = 4096
+MAX_EXPERTS = 4096
+MAX_TOKENS = 1 << 20     # tokens per rank per step
+MAX_SEED = 2**32 - 1
+DEFAULT_RANKS, DEFAULT_EXPERTS = 8, 8
+DEMO_EXPERTS = 8         # the demo and soak models' experts: their EP size must divide them
+BENCH_SHAPES = ("mixtral-8x7b", "mixtral-8x22b", "tiny")  # bench/local.py SHAPES (not imported: torch)
+BENCH_DTYPES = ("bfloat16", "float16", "float32")         # bench/local.py DTYPES
+# the errors a user can fix from the message alone; OSError subclasses: paths given on the command line
+USER_ERRORS = (InputError, PlanError, ChildFailed, FileNotFoundError, IsADirectoryError, NotADirectoryError,
+               PermissionError)
 
 
-def _counts_from_args(args) -> np.ndarray:
-    from ..core.workloads import WorkloadSpec, counts, load_counts
+def _add_workload_args(p) -> None:
+    from ..core.policy import MAX_SLOTS
+    from ..core.workloads import SKEW_FORMS
+
+    p.add_argument("--ranks", type=int_range("--ranks", 1, MAX_RANKS),
+                   help=f"expert-parallel size D (default: {DEFAULT_RANKS}; with --counts: the file's)")
+    p.add_argument("--experts", type=int_range("--experts", 1, MAX_EXPERTS),
+                   help=f"number of experts E (default: {DEFAULT_EXPERTS}; with --counts: the file's)")
+    p.add_argument("--topk", type=int_range("--topk", 1, MAX_EXPERTS), default=2, help="experts per token")
+    p.add_argument("--tokens-per-rank", type=int_range("--tokens-per-rank", 1, MAX_TOKENS), default=4096,
+                   help="tokens each rank routes per step")
+    p.add_argument("--slots", type=int_range("--slots", 0, MAX_SLOTS), default=1,
+                   help="R: expert slots per rank beyond ceil(E/D) (redundant replicas; fsep uses ceil(E/D)+R; "
+                        "eplb, ultraep and lp need >= 1)")
+    p.add_argument("--ranks-per-node", type=int_range("--ranks-per-node", 1, MAX_RANKS), default=8,
+                   help="ranks sharing a node (G; divides D)")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--skew", default="zipf:1.2", help=f"synthetic routing: {SKEW_FORMS}")
+    src.add_argument("--counts", help="a saved counts matrix instead of a generated one: .npy/.json [D,E] (or "
+                                      "[steps,D,E], [steps,layers,D,E]: the first) or a `megatron-rails trace` .npz")
+    p.add_argument("--seed", type=int_range("--seed", 0, MAX_SEED), default=0, help="workload seed")
+
+
+def _counts_from_args(args):
+    from ..core.workloads import WorkloadSpec, counts
 
     if args.counts:
-        c = load_counts(args.counts)
-        while c.ndim > 2:  # a trace: plan its first step and layer
-            c = c[0]
-        return c
-    spec = WorkloadSpec(num_ranks=args.ranks, num_experts=args.experts, topk=args.topk,
-                        tokens_per_rank=args.tokens_per_rank, skew=args.skew, seed=args.seed)
+        return _counts_file(args)
+    spec = WorkloadSpec(num_ranks=args.ranks or DEFAULT_RANKS, num_experts=args.experts or DEFAULT_EXPERTS,
+                        topk=args.topk, tokens_per_rank=args.tokens_per_rank, skew=args.skew, seed=args.seed)
     return counts(spec)
+
+
+def _counts_file(args):
+    """The first [D, E] matrix of --counts; --ranks / --experts, if given, must agree with it."""
+    from pathlib import Path
+
+    from ..demo.trace import load_trace
+
+    if Path(args.counts).is_dir():
+        raise InputError(f"--counts {args.counts}: is a directory, not a counts file")
+    c = load_trace(args.counts)[0][0, 0]  # every counts format and the trace .npz, as [steps, layers, D, E]
+    for flag, given, got in (("--ranks", args.ranks, c.shape[0]), ("--experts", args.experts, c.shape[1])):
+        if given is not None and given != got:
+            raise InputError(f"{flag} {given} disagrees with --counts {args.counts}, which is [D={c.shape[0]}, "
+                             f"E={c.shape[1]}]; drop {flag} or give a matching file")
+    return c
+
+
+def _plan_policy_check(args) -> None:
+    """The rules a policy file would get (slots a policy needs, placement, tolerance), as flag errors."""
+    from ..core.policy import ConfigError, PolicyConfig
+
+    try:
+        PolicyConfig(policy=args.policy, slots=args.slots, window=args.window, interval=args.interval,
+                     placement=args.placement, tolerance=args.tolerance)
+    except ConfigError as err:
+        raise InputError(flag_error(err)) from None
+
+
+def _node_size_check(G: int, D: int) -> None:
+    if G < D and D % G:
+        raise InputError(f"--ranks-per-node {G} must divide the {D} ranks (or be >= them: one node)")
 
 
 def cmd_plan(args) -> int:
     from ..core.planners import PlannerConfig
     from ..bench.measure import measure, pin_one_core
 
-    pin_one_core()
+    _plan_policy_check(args)
     counts = _counts_from_args(args)
     D, E = counts.shape
+    _node_size_check(args.ranks_per_node, D)
+    pin_one_core()
     cfg = PlannerConfig(D, E, args.ranks_per_node, args.slots, window=args.window, interval=args.interval,
                         placement=args.placement, tolerance=args.tolerance)
     row = measure(args.policy, cfg, counts, min_reps=args.repeats, budget_s=args.budget)
@@ -85,14 +140,24 @@ def cmd_bench(args) -> int:
                     dtype=args.dtype, reps=5 if args.quick else 50)
         return 0
     if args.what == "step":
+        _cores_check(args.ranks)  # before importing Megatron, whose import warnings would bury the message
         from ..bench.step import BenchError, bench_step
 
         try:
             bench_step(args.out, ranks=args.ranks, microbatches=args.microbatches, quick=args.quick, plot=args.plot)
-        except BenchError as err:
-            raise SystemExit(f"megatron-rails bench step: {err}") from None
+        except BenchError as err:  # bad arguments, found before any rank starts
+            raise InputError(str(err)) from None
         return 0
-    raise SystemExit(f"unknown benchmark {args.what!r}")
+    raise AssertionError(f"unknown benchmark {args.what!r}")  # argparse's choices make this unreachable
+
+
+def _cores_check(ranks: int) -> None:
+    import os
+
+    cores = len(os.sched_getaffinity(0))
+    if ranks > cores:
+        raise InputError(f"--ranks {ranks}: this machine gives us {cores} cores and every rank needs its own; "
+                         f"use --ranks 1..{cores}")
 
 
 def cmd_demo(args) -> int:
@@ -106,68 +171,115 @@ def cmd_demo(args) -> int:
                     microbatches=args.microbatches)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from ..core.planners import POLICIES
+def _version() -> str:
+    from .. import __version__
 
-    parser = argparse.ArgumentParser(prog="megatron-rails", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+    return f"megatron-rails {__version__}"
+
+
+def _add_plan(sub) -> None:
+    from ..core.planners import POLICIES
+    from ..core.planners.lp import PLACEMENTS
 
     p = sub.add_parser("plan", help="plan one counts matrix with one policy and report balance and latency")
-    p.add_argument("--policy", required=True, choices=POLICIES)
+    p.add_argument("--policy", required=True, choices=POLICIES, help="the planner")
     _add_workload_args(p)
-    p.add_argument("--window", type=int, default=10, help="eplb: moving-average window (steps)")
-    p.add_argument("--interval", type=int, default=10, help="eplb: re-plan period (steps)")
-    p.add_argument("--placement", default="ultraep", help="lp: placement to schedule on (static|eplb|ultraep|fsep)")
-    p.add_argument("--tolerance", type=float, default=0.0,
+    p.add_argument("--window", type=int_range("--window", 1, 1 << 20), default=10,
+                   help="eplb: moving-average window (steps)")
+    p.add_argument("--interval", type=int_range("--interval", 1, 1 << 20), default=10,
+                   help="eplb: re-plan period (steps)")
+    p.add_argument("--placement", default="ultraep", choices=PLACEMENTS, help="lp: the placement it schedules on")
+    p.add_argument("--tolerance", type=float_range("--tolerance", 0.0, 1.0), default=0.0,
                    help="owner-layout policies keep the stock layout while its max/mean is <= 1 + this "
-                        "(default 0 here: the planner's exact behaviour; policy configs default to 0.05)")
-    p.add_argument("--repeats", type=int, default=50, help="minimum timed plan() calls")
-    p.add_argument("--budget", type=float, default=0.5, help="seconds spent timing (at least --repeats calls)")
+                        "(0 here: the planner's exact behaviour; policy configs default to 0.05)")
+    p.add_argument("--repeats", type=int_range("--repeats", 1, 2000), default=50,
+                   help="minimum timed plan() calls (at most 2000 are made)")
+    p.add_argument("--budget", type=float_range("--budget", 0.0, 3600.0), default=0.5,
+                   help="seconds spent timing (at least --repeats calls)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_plan)
 
+
+def _add_bench(sub) -> None:
     b = sub.add_parser("bench", help="benchmarks; results as JSON (+ PNG)")
-    b.add_argument("what", choices=["planners", "dispatcher", "rails", "local", "step"])
-    b.add_argument("--out", required=True, help="JSON output file")
-    b.add_argument("--plot", help="PNG output (default: next to --out)")
+    b.add_argument("what", choices=["planners", "dispatcher", "rails", "local", "step"], help="which benchmark")
+    b.add_argument("--out", required=True, type=out_file("--out"), help="JSON output file")
+    b.add_argument("--plot", type=out_file("--plot"), help="PNG output (default: next to --out)")
     b.add_argument("--quick", action="store_true", help="a small grid for smoke runs")
-    b.add_argument("--device", default="cpu", help="local: torch device of the timed work (cpu, cuda)")
-    b.add_argument("--shape", default="mixtral-8x7b", help="local: mixtral-8x7b | mixtral-8x22b | tiny")
-    b.add_argument("--dtype", default="bfloat16", help="local: dtype of the hidden states")
-    b.add_argument("--ranks", type=int, default=2, help="step: gloo ranks, one core each (at most the cores)")
-    b.add_argument("--microbatches", type=int, default=8, help="step: microbatches per optimizer step")
+    b.add_argument("--device", default="cpu", help="local: torch device of the timed work (cpu, cuda, cuda:N)")
+    b.add_argument("--shape", default="mixtral-8x7b", choices=BENCH_SHAPES, help="local: the layer shape")
+    b.add_argument("--dtype", default="bfloat16", choices=BENCH_DTYPES, help="local: dtype of the hidden states")
+    b.add_argument("--ranks", type=int_range("--ranks", 1, MAX_RANKS), default=2,
+                   help="step: gloo ranks, one core each (at most the cores)")
+    b.add_argument("--microbatches", type=int_range("--microbatches", 1, 1024), default=8,
+                   help="step: microbatches per optimizer step")
     b.set_defaults(func=cmd_bench)
 
+
+def _run_soak(args) -> int:
+    from ..reliability.soak import run_soak
+
+    return run_soak(args.planner_calls, args.steps, args.ranks, args.out, args.json)
+
+
+def _add_soak(sub) -> None:
+    k = sub.add_parser("soak", help="long-running reliability soak: planner calls and dispatcher parity steps")
+    k.add_argument("--planner-calls", type=int_range("--planner-calls", 0, 10**7), default=2000,
+                   help="planner calls per policy on a drifting workload (0: skip)")
+    k.add_argument("--steps", type=int_range("--steps", 0, 10**6), default=200,
+                   help="dispatcher steps compared with stock (0: skip)")
+    k.add_argument("--ranks", type=divisor_of("--ranks", DEMO_EXPERTS, "the soak layer's experts"), default=4,
+                   help="gloo ranks of the dispatcher soak (= expert-parallel size; divides the 8 experts)")
+    k.add_argument("--out", type=out_file("--out"), help="write the result JSON here")
+    k.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    k.set_defaults(func=_run_soak)
+
+
+def _add_demo(sub) -> None:
+    from ..core import presets
+
+    d = sub.add_parser("demo", help="train a tiny Mixtral-shaped model on CPU ranks, one core each: none vs the "
+                                    "configured policy")
+    d.add_argument("--config", help="policy YAML or preset name (" + ", ".join(presets.names(presets.POLICY_DIR))
+                   + "; default: the shipped default policy)")
+    d.add_argument("--steps", type=int_range("--steps", 1, 10000), default=20, help="optimizer steps")
+    d.add_argument("--microbatches", type=int_range("--microbatches", 1, 1024), default=4,
+                   help="microbatches per optimizer step (accumulated)")
+    d.add_argument("--ranks", type=divisor_of("--ranks", DEMO_EXPERTS, "the demo model's experts"),
+                   help="CPU ranks (= expert-parallel size; divides the 8 experts; default: min(4, cores), every "
+                        "rank on a core of its own)")
+    d.add_argument("--plot", type=out_file("--plot"), default="demo-imbalance.png", help="PNG of imbalance per step")
+    d.add_argument("--planners", action="store_true", help="instead: compare every planner on skewed steps")
+    d.add_argument("--json", action="store_true", help="print the summary as one JSON object")
+    d.set_defaults(func=cmd_demo)
+
+
+def build_parser() -> CliParser:
+    parser = CliParser(prog="megatron-rails", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--version", action="version", version=_version())
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_plan(sub)
+    _add_bench(sub)
     s = sub.add_parser("simulate", help="simulators: all-to-all on a rail topology (a2a), iteration time (run)")
     from . import sim as cli_sim
 
-    cli_sim.register(s.add_subparsers(dest="what", required=True))
+    cli_sim.register(s.add_subparsers(dest="what", required=True, metavar="SIMULATOR"))
     cli_sim.register_trace(sub)
-
-    k = sub.add_parser("soak", help="long-running reliability soak: planner calls and dispatcher parity steps")
-    k.add_argument("--planner-calls", type=int, default=2000, help="planner calls per policy (drifting workload)")
-    k.add_argument("--steps", type=int, default=200, help="dispatcher steps compared with stock (0: skip)")
-    k.add_argument("--ranks", type=int, default=4)
-    k.add_argument("--out", help="write the result JSON here")
-    k.add_argument("--json", action="store_true")
-    k.set_defaults(func=lambda a: __import__("megatron_rails.reliability.soak", fromlist=["run_soak"]).run_soak(
-        a.planner_calls, a.steps, a.ranks, a.out, a.json))
-    d = sub.add_parser("demo", help="train a tiny Mixtral-shaped model on CPU ranks, one core each: none vs the "
-                                    "configured policy")
-    d.add_argument("--config", help="policy YAML or preset name (default: the shipped default policy)")
-    d.add_argument("--steps", type=int, default=20, help="optimizer steps")
-    d.add_argument("--microbatches", type=int, default=4, help="microbatches per optimizer step (accumulated)")
-    d.add_argument("--ranks", type=int, help="CPU ranks (= expert-parallel size; divides 8 experts; default: "
-                                             "min(4, cores), every rank on a core of its own)")
-    d.add_argument("--plot", default="demo-imbalance.png", help="PNG of imbalance per step")
-    d.add_argument("--planners", action="store_true", help="instead: compare every planner on skewed steps")
-    d.add_argument("--json", action="store_true")
-    d.set_defaults(func=cmd_demo)
-
+    _add_soak(sub)
+    _add_demo(sub)
     from .config import register as register_config
 
     register_config(sub)
     return parser
+
+
+def report(prog: str, err: BaseException) -> None:
+    """The one place input errors become `PROG: error: ...` lines on stderr: one per problem (a config
+    file lists each of its problems on its own line; a failed run adds its output's tail)."""
+    lines = getattr(err, "errors", None) or str(err).splitlines() or [type(err).__name__]
+    print(f"{prog}: error: {lines[0]}", file=sys.stderr)
+    for line in lines[1:]:
+        print(line if isinstance(err, ChildFailed) else f"{prog}: error: {line}", file=sys.stderr)
 
 
 def main(argv=None) -> int:
@@ -175,8 +287,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.func(args)
-    except (PlanError, ValueError, FileNotFoundError, RuntimeError) as err:
-        print(f"megatron-rails {args.command}: error: {err}", file=sys.stderr)
+    except USER_ERRORS as err:
+        report(getattr(args, "command_prog", parser.prog), err)
         return 2
 
 

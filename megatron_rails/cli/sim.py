@@ -5,32 +5,35 @@ to the `simulate` group's sub-parsers (cli.py); `register_trace` adds the top-le
 """
 from __future__ import annotations
 
-import argparse
 import json
 
-from .args import int_at_least
+from ..core.errors import InputError
+from ..core.policy import MAX_SLOTS
+from .args import divisor_of, int_range, out_file
 
-
-def _positive(name: str):
-    return int_at_least(name, 1)
+MAX_WORLD = 2048  # GPUs of one simulated all-to-all: its flow model holds [D, D] matrices per rail
 
 
 def register(subparsers) -> None:
+    from ..core.topology import presets
     from ..sim.traffic import TRAFFIC_FORMS
 
     p = subparsers.add_parser(
         "a2a", help="flow-level all-to-all completion of direct (PXN), ecmp and rails on a topology",
         description="Simulate one dispatch all-to-all under three routing schemes (fluid model, see docs/rails.md).")
-    p.add_argument("--topology", default="dgx-h100", help="preset name (dgx-a100, dgx-h100, nvl72) or a YAML path")
-    p.add_argument("--nodes", type=_positive("--nodes"), required=True, help="number of nodes")
+    p.add_argument("--topology", default="dgx-h100", help=f"preset name ({', '.join(presets())}) or a YAML path")
+    p.add_argument("--nodes", type=int_range("--nodes", 1, MAX_WORLD), required=True,
+                   help=f"number of nodes (at most {MAX_WORLD} GPUs in all)")
     p.add_argument("--traffic", default="zipf:1.2", help=TRAFFIC_FORMS)
-    p.add_argument("--tokens-per-rank", type=int, default=4096, help="tokens each rank routes (before top-k)")
-    p.add_argument("--hidden", type=_positive("--hidden"), help="hidden size (default: the family's)")
-    p.add_argument("--experts", type=_positive("--experts"), help="number of experts (default: the family's)")
-    p.add_argument("--topk", type=_positive("--topk"), help="experts per token (default: the family's)")
-    p.add_argument("--dtype-bytes", type=_positive("--dtype-bytes"), default=2, help="bytes per element (bf16: 2)")
-    p.add_argument("--slots", type=int, default=1, help="R for the planner of plan/mixtral/deepseek traffic")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tokens-per-rank", type=int_range("--tokens-per-rank", 1, 1 << 20), default=4096,
+                   help="tokens each rank routes (before top-k)")
+    p.add_argument("--hidden", type=int_range("--hidden", 1, 1 << 16), help="hidden size (default: the family's)")
+    p.add_argument("--experts", type=int_range("--experts", 1, 4096), help="number of experts (default: the family's)")
+    p.add_argument("--topk", type=int_range("--topk", 1, 4096), help="experts per token (default: the family's)")
+    p.add_argument("--dtype-bytes", type=int_range("--dtype-bytes", 1, 8), default=2, help="bytes per element (bf16: 2)")
+    p.add_argument("--slots", type=int_range("--slots", 0, MAX_SLOTS), default=1,
+                   help="R for the planner of plan/mixtral/deepseek traffic")
+    p.add_argument("--seed", type=int_range("--seed", 0, 2**32 - 1), default=0, help="workload seed")
     p.add_argument("--json", action="store_true", help="print a JSON list, one object per scheme")
     p.set_defaults(func=cmd_a2a)
 
@@ -40,10 +43,28 @@ def register(subparsers) -> None:
 
 
 def register_trace(subparsers) -> None:
-    """The top-level `megatron-rails trace` command (megatron_rails/demo/trace.py)."""
-    from ..demo.trace import register
+    """The top-level `megatron-rails trace` command (megatron_rails/demo/trace.py does the work)."""
+    from ..core.planners import POLICIES
 
-    register(subparsers)
+    p = subparsers.add_parser("trace", help="record per-layer routing counts of the CPU demo for simulate run --trace",
+                              description="Train the tiny CPU demo model on gloo ranks with a TraceRecorder on and "
+                                          "save counts [steps, layers, ranks, experts] (docs/simulator.md).")
+    p.add_argument("--out", required=True, type=out_file("--out"),
+                   help="trace file: .npz (counts + metadata), .npy or .json")
+    p.add_argument("--steps", type=int_range("--steps", 1, 10000), default=10, help="training steps to record")
+    p.add_argument("--policy", default="none", choices=POLICIES, help="policy the demo trains with")
+    p.add_argument("--ranks", type=divisor_of("--ranks", 8, "the demo model's experts"), default=4,
+                   help="gloo ranks = expert-parallel size (divides the 8 experts)")
+    p.add_argument("--slots", type=int_range("--slots", 0, MAX_SLOTS), default=2,
+                   help="redundant slots per rank for the policy")
+    p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    p.set_defaults(func=_cmd_trace)
+
+
+def _cmd_trace(args) -> int:
+    from ..demo.trace import cmd_trace
+
+    return cmd_trace(args)
 
 
 def run_a2a(args) -> tuple[dict, list[dict]]:
@@ -53,6 +74,9 @@ def run_a2a(args) -> tuple[dict, list[dict]]:
 
     topo = load_topology(args.topology).with_nodes(args.nodes)
     D = topo.world_size
+    if D > MAX_WORLD:
+        raise InputError(f"--nodes must be >= 1 and <= {MAX_WORLD // topo.gpus_per_node} on {topo.name} "
+                         f"({topo.gpus_per_node} GPUs per node, at most {MAX_WORLD} GPUs), got {args.nodes}")
     tr = make_traffic(args.traffic, D, topo.gpus_per_node, tokens_per_rank=args.tokens_per_rank,
                       hidden=args.hidden, dtype_bytes=args.dtype_bytes, experts=args.experts, topk=args.topk,
                       seed=args.seed, slots=args.slots)

@@ -1,15 +1,20 @@
 """`megatron-rails simulate run CONFIG [KEY=VALUE ...]`: iteration time per policy x comm (docs/simulator.md)."""
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 
-from .args import int_at_least as _int_at_least
+from .args import int_range, out_file
+from ..core.policy import MAX_SLOTS
 from ..sim.model import A2A_MODELS, OVERLAPS, WEIGHT_SYNCS
 
 
+MAX_STEPS = 10000  # each step plans every layer with every policy and keeps its figures
+
+
 def register_run(subparsers) -> None:
+    from ..core.workloads import SKEW_FORMS
+
     p = subparsers.add_parser(
         "run", help="iteration time of a run config per policy x comm (compute, all-to-all, weights, planner)",
         description="Simulate training iterations of a run config under each balancing policy and comm scheme: "
@@ -21,26 +26,25 @@ def register_run(subparsers) -> None:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a run-config override (repeatable)")
     p.add_argument("--policies", default="none,eplb,fsep,ultraep,lp", help="comma-separated policies")
     p.add_argument("--comm", default="direct,rails", help="comma-separated comm schemes (direct, rails)")
-    p.add_argument("--steps", type=_int_at_least("--steps", 1), default=5, help="simulated iterations (default 5)")
+    p.add_argument("--steps", type=int_range("--steps", 1, MAX_STEPS), default=5, help="simulated iterations")
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--skew", default="zipf:1.2", help="synthetic routing: uniform | zipf:S | drift:S[:P] | "
-                     "bursty:S[:F[:R]] | one (default zipf:1.2)")
+    src.add_argument("--skew", default="zipf:1.2", help=f"synthetic routing: {SKEW_FORMS}")
     src.add_argument("--trace", help="replay a counts trace (megatron-rails trace .npz, or .npy/.json counts)")
     p.add_argument("--trace-tokens", choices=("scale", "raw"), default="scale",
-                   help="scale: rescale each trace row to the config's tokens per rank (default); raw: as recorded")
-    p.add_argument("--seed", type=_int_at_least("--seed", 0), default=0, help="workload seed")
-    p.add_argument("--slots", type=_int_at_least("--slots", 0),
+                   help="scale: rescale each trace row to the config's tokens per rank; raw: as recorded")
+    p.add_argument("--seed", type=int_range("--seed", 0, 2**32 - 1), default=0, help="workload seed")
+    p.add_argument("--slots", type=int_range("--slots", 0, MAX_SLOTS),
                    help="redundant slots per rank for every policy (default: the config's balancer)")
-    p.add_argument("--mfu", type=float, default=0.5, help="GEMM efficiency: achieved / peak gpu_tflops (default 0.5)")
+    p.add_argument("--mfu", type=float, default=0.5, help="GEMM efficiency: achieved / peak gpu_tflops, in (0, 1]")
     p.add_argument("--overlap", choices=OVERLAPS, default="none",
-                   help="none: everything in sequence (default); weights: weight movement hidden behind dense compute")
+                   help="none: everything in sequence; weights: weight movement hidden behind dense compute")
     p.add_argument("--weight-sync", choices=WEIGHT_SYNCS, default="iteration",
                    help="iteration: weights move once per iteration and stay for all its microbatches, as the "
-                        "dispatcher does (default); microbatch: they move every microbatch (no resident slots)")
+                        "dispatcher does; microbatch: they move every microbatch (no resident slots)")
     p.add_argument("--a2a-model", choices=A2A_MODELS, default="fluid",
-                   help="all-to-all time: fluid (pipelined, default) or phased (store-and-forward per phase)")
+                   help="all-to-all time: fluid (pipelined) or phased (store-and-forward per phase)")
     p.add_argument("--json", action="store_true", help="print one JSON object (setup, options, assumptions, rows)")
-    p.add_argument("--plot", help="write a PNG of stacked bars per policy x comm")
+    p.add_argument("--plot", type=out_file("--plot"), help="write a PNG of stacked bars per policy x comm")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     p.set_defaults(func=cmd_run)
 

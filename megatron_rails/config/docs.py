@@ -13,14 +13,14 @@ import typing
 
 POLICY_DOCS = {
     "policy": "none \\| eplb \\| fsep \\| ultraep \\| lp (docs/policies.md)",
-    "slots": "R: expert-sized slots per rank beyond ceil(E/D); owner layouts use them for replicas, fsep "
-             "materializes ceil(E/D) + R",
+    "slots": "R: expert-sized slots per rank beyond ceil(E/D), 0..1024; owner layouts use them for replicas "
+             "(eplb, ultraep and lp on those need >= 1), fsep materializes ceil(E/D) + R",
     "ranks_per_node": "G: EP ranks sharing a node (same-node replicas are preferred). Policy files: 0 = the "
                       "launcher's ranks per node (torchrun's LOCAL_WORLD_SIZE; without it all EP ranks on one "
                       "node). In a run config 0 means derive it from the topology and layout, and a "
                       "non-zero value must match that",
-    "window": "eplb: steps in the moving load window",
-    "interval": "eplb: re-plan period in steps",
+    "window": "eplb: steps in the moving load window, 1..2^20",
+    "interval": "eplb: re-plan period in steps, 1..2^20",
     "placement": "lp: the placement it schedules tokens on (static \\| eplb \\| ultraep \\| fsep)",
     "comm": "direct \\| rails: token all-to-all backend (rails: RailS multi-phase over rail groups)",
     "tolerance": "owner-layout policies (ultraep, eplb, lp on those) move no weights while the stock max/mean tokens "
@@ -34,13 +34,13 @@ POLICY_DOCS = {
 }
 TOPOLOGY_DOCS = {
     "name": "preset name (defaults to the file name)",
-    "gpus_per_node": "GPUs (ranks) per node",
-    "rails_per_node": "NICs per node; NIC i of every node is on rail i; must divide gpus_per_node",
-    "nic_gbps": "per NIC, per direction, Gb/s",
-    "nvlink_gbps": "per GPU, per direction, Gb/s (450 GB/s = 3600)",
-    "latency_us": "fixed cost of one message on one hop",
-    "gpu_tflops": "dense bf16 TFLOP/s, for the iteration-time simulator",
-    "nodes": "0: set by the world size. In a run config it is filled from parallelism.nodes",
+    "gpus_per_node": "GPUs (ranks) per node, 1..1024",
+    "rails_per_node": "NICs per node, 1..1024; NIC i of every node is on rail i; must divide gpus_per_node",
+    "nic_gbps": "per NIC, per direction, Gb/s (finite, > 0)",
+    "nvlink_gbps": "per GPU, per direction, Gb/s (450 GB/s = 3600; finite, > 0)",
+    "latency_us": "fixed cost of one message on one hop (finite, >= 0)",
+    "gpu_tflops": "dense bf16 TFLOP/s, for the iteration-time simulator (finite, > 0)",
+    "nodes": "0..2^20; 0: set by the world size. In a run config it is filled from parallelism.nodes",
     "description": "free text",
 }
 RUN_DOCS = {
@@ -67,8 +67,11 @@ Three kinds of YAML, one loader (`megatron_rails.config.run.load_any`, `megatron
 | policy | configs/policies/ | its directory, or a `policy` key |
 | topology | configs/topology/ | its directory, or a `gpus_per_node` key |
 
-Every error names the file and the dotted key; unknown keys get a did-you-mean hint. Numbers such as `3e-4`
-are accepted for number keys (PyYAML reads an exponent without a dot as a string).
+Every error names the file and the dotted key; unknown keys get a did-you-mean hint (also a misspelled key
+that hides the kind of a file, such as `polcy:`), and a topology lists all its bad keys at once. An empty
+file is an error for every kind. Numbers such as `3e-4` are accepted for number keys (PyYAML reads an
+exponent without a dot as a string); NaN and inf are not, and integer keys of the run sections are at most
+2^31 - 1 (policy and topology keys have the ranges given below).
 
 **Overrides**, the same on every command line and in `load_run_config(path, overrides)`: `KEY=VALUE` or
 `SECTION.KEY=VALUE`, the value parsed as YAML, applied in order before validation:

@@ -235,20 +235,46 @@ def apply_overrides(data: dict, overrides, kind: str, expand=None) -> tuple[dict
 
 
 # -- files ------------------------------------------------------------------------------------------
-def kind_of(path, data: dict) -> str:
-    parent = Path(path).resolve().parent
-    if parent == POLICY_DIR.resolve() or parent.name == "policies":
-        return "policy"
-    if parent == TOPOLOGY_DIR.resolve() or parent.name == "topology":
-        return "topology"
+KIND_HINT = "a run config has model/parallelism/training, a policy has 'policy', a topology has 'gpus_per_node'"
+
+
+def _kind_by_keys(data: dict) -> str | None:
     if set(data) & {"model", "parallelism", "training"}:
         return "run"
     if "policy" in data:
         return "policy"
     if set(data) & {"gpus_per_node", "rails_per_node"}:
         return "topology"
-    raise ConfigError(f"{path}: cannot tell the kind of config: a run config has model/parallelism/training, "
-                      f"a policy has 'policy', a topology has 'gpus_per_node'")
+    return None
+
+
+def _top_keys() -> list[str]:
+    """Every top-level key of every kind of config, for the did-you-mean of an unrecognized file."""
+    return [*RUN_KEYS, *(f.name for cls in NESTED.values() for f in dataclasses.fields(cls))]
+
+
+def kind_of(path, data: dict) -> str:
+    parent = Path(path).resolve().parent
+    if parent == POLICY_DIR.resolve() or parent.name == "policies":
+        return "policy"
+    if parent == TOPOLOGY_DIR.resolve() or parent.name == "topology":
+        return "topology"
+    kind = _kind_by_keys(data)
+    if kind:
+        return kind
+    # name the key the user most likely misspelled (`polcy:` -> 'policy') rather than only the rule
+    hints = [f"unknown key '{k}'{h}" for k in data if (h := suggest(k, _top_keys())).startswith("; did you mean")]
+    raise ConfigError(f"{path}: cannot tell the kind of config: " + (hints[0] + " (" + KIND_HINT + ")" if hints
+                                                                      else KIND_HINT))
+
+
+def _check_is_run(path, data: dict) -> None:
+    """One line for a policy or topology file given where a run config belongs (instead of a dozen
+    'required key is missing' errors)."""
+    kind = _kind_by_keys(data)
+    if kind not in (None, "run"):
+        raise ConfigError(f"{path}: this is a {kind} config; a run config is needed here (model, parallelism, "
+                          f"training, data, balancer, topology; see configs/mini/mini-mixtral.yaml)")
 
 
 def load_any(path, overrides=()):
@@ -273,6 +299,7 @@ def load_run_config(path, overrides=()) -> RunConfig:
 
     where, base = str(path), Path(path).resolve().parent
     raw = read_yaml(path)
+    _check_is_run(path, raw)
 
     def expand(key, ref):
         found = resolve_ref(ref, base, POLICY_DIR if key == "balancer" else TOPOLOGY_DIR, REPO_DIR)

@@ -9,11 +9,16 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from pathlib import Path
 
 from ..core.policy import ConfigError
+
+# integer keys of run-config sections are Megatron-LM arguments and tensor sizes: int32 in Megatron-Core and
+# torch's kernels (policy and topology keys check their own, tighter, ranges)
+INT_MAX = 2**31 - 1
 
 # keys people try first; difflib cannot see that `steps` means `train_iters`
 SYNONYMS = {"steps": "train_iters", "iters": "train_iters", "iterations": "train_iters", "layers": "num_layers",
@@ -96,8 +101,13 @@ def build(cls, data, where: str, prefix: str, errors: list, origin: dict | None 
             continue
         ok, v = _coerce(hints[name], data[name])
         meta = f.metadata
+        own = "min" in meta  # a run-section key (config/run.py `_f`); policy and topology keys check themselves
         if not ok:
             err(name, f"expected {type_name(hints[name])}, got {data[name]!r}")
+        elif own and isinstance(v, float) and not math.isfinite(v):  # --lr inf would reach Megatron-LM as is
+            err(name, f"expected a finite number, got {data[name]!r}")
+        elif own and isinstance(v, int) and not isinstance(v, bool) and v > INT_MAX:
+            err(name, f"must be <= {INT_MAX}, got {v!r}")
         elif v is not None and meta.get("choices") and v not in meta["choices"]:
             hint = suggest(v, meta["choices"])
             err(name, f"must be one of {', '.join(map(str, meta['choices']))}, got {v!r}"
@@ -110,8 +120,9 @@ def build(cls, data, where: str, prefix: str, errors: list, origin: dict | None 
     try:
         return cls(**kwargs)
     except (ConfigError, TypeError) as e:  # the class's own checks name the key first ("slots: ...")
-        src = origin.get(prefix + str(e).split(":", 1)[0])
-        errors.append(f"{where}: {prefix}{e}" + (f" (from override '{src}')" if src else ""))
+        for msg in getattr(e, "errors", None) or [str(e)]:  # a topology reports all its problems at once
+            src = origin.get(prefix + msg.split(":", 1)[0])
+            errors.append(f"{where}: {prefix}{msg}" + (f" (from override '{src}')" if src else ""))
         return None
 
 
@@ -141,14 +152,17 @@ def read_yaml(path) -> dict:
     import yaml
 
     p = Path(path)
+    if p.is_dir():
+        raise ConfigError(f"{p}: is a directory, not a YAML file")
     if not p.is_file():
         raise ConfigError(f"{p}: file not found")
     try:
         data = yaml.safe_load(p.read_text())
     except yaml.YAMLError as e:
-        raise ConfigError(f"{p}: not valid YAML: {e}") from None
-    if data is None:
-        data = {}
+        raise ConfigError(f"{p}: not valid YAML: {' '.join(str(e).split())}") from None
+    if data is None:  # the same error for every kind and every command (PolicyConfig.from_yaml says it too)
+        raise ConfigError(f"{p}: the file is empty; expected a run, policy or topology config (a mapping of "
+                          f"keys to values)")
     if not isinstance(data, dict):
         raise ConfigError(f"{p}: expected a mapping of keys to values at the top level")
     return data

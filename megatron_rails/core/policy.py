@@ -14,11 +14,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import presets
+from .errors import InputError
 
 COMMS = ("direct", "rails")
+MAX_SLOTS = 1024  # redundant slots per rank; more than any rank can hold experts for, and a bound
+                  # that keeps a typo (slots: 99999999999999999999) from reaching the planners' arrays
+# (lowest, highest) of the integer keys; 0 ranks_per_node = the launcher's ranks per node
+INT_RANGES = {"slots": (0, MAX_SLOTS), "ranks_per_node": (0, 1 << 16), "window": (1, 1 << 20),
+              "interval": (1, 1 << 20)}
 
 
-class ConfigError(ValueError):
+class ConfigError(InputError):
     """A configuration file or value is invalid."""
 
 
@@ -32,7 +38,10 @@ def from_mapping(cls, data: dict, where: str = "<dict>"):
     try:
         return cls(**data)
     except (ConfigError, TypeError) as err:
-        raise ConfigError(f"{where}: {err}") from None
+        lines = [f"{where}: {line}" for line in getattr(err, "errors", None) or [str(err)]]
+        out = ConfigError("\n".join(lines))
+        out.errors = lines
+        raise out from None
 
 
 @dataclass(frozen=True)
@@ -64,11 +73,11 @@ class PolicyConfig:
             raise ConfigError(f"policy: unknown policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
         if self.comm not in COMMS:
             raise ConfigError(f"comm: must be one of {', '.join(COMMS)}, got {self.comm!r}")
-        for key in ("slots", "ranks_per_node", "window", "interval"):
+        for key, (lo, hi) in INT_RANGES.items():
             v = getattr(self, key)
-            if isinstance(v, bool) or not isinstance(v, int) or v < (0 if key in ("slots", "ranks_per_node") else 1):
-                raise ConfigError(f"{key}: expected a {'non-negative' if key in ('slots', 'ranks_per_node') else 'positive'} "
-                                  f"integer, got {v!r}")
+            if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+                raise ConfigError(f"{key}: expected a {'non-negative' if lo == 0 else 'positive'} integer "
+                                  f"(at most {hi}), got {v!r}")
         from .planners.lp import PLACEMENTS
 
         if self.placement not in PLACEMENTS:
@@ -98,9 +107,16 @@ class PolicyConfig:
         import yaml
 
         p = Path(path)
+        if p.is_dir():
+            raise ConfigError(f"{p}: is a directory, not a policy config file")
         if not p.is_file():
             raise ConfigError(f"{p}: policy config file not found")
-        data = yaml.safe_load(p.read_text()) or {}
+        try:
+            data = yaml.safe_load(p.read_text())
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{p}: not valid YAML: {' '.join(str(e).split())}") from None
+        if data is None:  # an empty file is a mistake, not "all defaults": say so everywhere alike
+            raise ConfigError(f"{p}: the file is empty; a policy config needs at least 'policy: NAME'")
         if not isinstance(data, dict):
             raise ConfigError(f"{p}: expected a mapping of keys to values at the top level")
         return cls.from_dict(data, str(p))
@@ -132,6 +148,9 @@ def as_policy(cfg) -> PolicyConfig:
         return PolicyConfig.from_dict(cfg)
     if isinstance(cfg, (str, Path)):
         preset = presets.find(presets.POLICY_DIR, str(cfg)) if not Path(cfg).suffix else None
+        if preset is None and not Path(cfg).suffix and not Path(cfg).exists():
+            raise ConfigError(f"unknown policy preset {str(cfg)!r}; presets: "
+                              f"{', '.join(presets.names(presets.POLICY_DIR))} (or give a path to a YAML file)")
         return PolicyConfig.from_yaml(preset if preset is not None and not Path(cfg).exists() else cfg)
     raise TypeError(f"a policy is a PolicyConfig, a dict, a YAML path or a preset name "
                     f"({', '.join(presets.names(presets.POLICY_DIR))}), got {type(cfg).__name__}")

@@ -10,6 +10,7 @@ Presets ship as package data (presets/topology/*.yaml, configs/topology in the r
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +20,9 @@ from . import presets as _presets
 from .policy import ConfigError, from_mapping
 
 PRESET_DIR = _presets.TOPOLOGY_DIR
+# (key, lowest, highest): bounds far beyond any machine, so a typo fails here, not in the simulator's arrays
+INT_RANGES = (("gpus_per_node", 1, 1024), ("rails_per_node", 1, 1024), ("nodes", 0, 1 << 20))
+NUMBERS = (("nic_gbps", True), ("nvlink_gbps", True), ("gpu_tflops", True), ("latency_us", False))  # (key, > 0)
 
 
 @dataclass(frozen=True)
@@ -34,21 +38,30 @@ class Topology:
     description: str = ""
 
     def __post_init__(self):
-        for key in ("gpus_per_node", "rails_per_node"):
-            v = getattr(self, key)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ConfigError(f"{key}: expected a positive integer, got {v!r}")
-        if isinstance(self.nodes, bool) or not isinstance(self.nodes, int) or self.nodes < 0:
-            raise ConfigError(f"nodes: expected a non-negative integer (0 = set by the world size), got {self.nodes!r}")
-        if self.gpus_per_node % self.rails_per_node:
-            raise ConfigError(f"rails_per_node: {self.rails_per_node} does not divide gpus_per_node "
-                              f"{self.gpus_per_node} (every rail must serve the same number of GPUs)")
-        for key in ("nic_gbps", "nvlink_gbps", "gpu_tflops"):
-            v = getattr(self, key)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
-                raise ConfigError(f"{key}: expected a positive number, got {v!r}")
-        if isinstance(self.latency_us, bool) or not isinstance(self.latency_us, (int, float)) or self.latency_us < 0:
-            raise ConfigError(f"latency_us: expected a non-negative number, got {self.latency_us!r}")
+        # every problem at once: a topology file is usually written in one go, so fix it in one go
+        errors = [e for e in (self._int_error(k, lo, hi) for k, lo, hi in INT_RANGES) if e]
+        errors += [e for e in (self._number_error(k, pos) for k, pos in NUMBERS) if e]
+        if not errors and self.gpus_per_node % self.rails_per_node:
+            errors.append(f"rails_per_node: {self.rails_per_node} does not divide gpus_per_node "
+                          f"{self.gpus_per_node} (every rail must serve the same number of GPUs)")
+        if errors:
+            err = ConfigError("\n".join(errors))
+            err.errors = errors  # config/schema.build prefixes each with the file
+            raise err
+
+    def _int_error(self, key: str, lo: int, hi: int) -> str:
+        v = getattr(self, key)
+        if not isinstance(v, bool) and isinstance(v, int) and lo <= v <= hi:
+            return ""
+        zero = " (0 = set by the world size)" if lo == 0 else ""
+        return f"{key}: expected an integer in [{lo}, {hi}]{zero}, got {v!r}"
+
+    def _number_error(self, key: str, positive: bool) -> str:
+        v = getattr(self, key)
+        number = not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v)
+        if number and (v > 0 if positive else v >= 0):
+            return ""
+        return f"{key}: expected a finite {'positive' if positive else 'non-negative'} number, got {v!r}"
 
     # -- shape -----------------------------------------------------------------------------------
     @property
@@ -110,9 +123,16 @@ def load_topology(name_or_path) -> Topology:
         if not p.is_file():
             raise ConfigError(f"unknown topology {name_or_path!r}; presets: {', '.join(presets())} "
                               f"(or give a path to a YAML file)")
+    if p.is_dir():
+        raise ConfigError(f"{p}: is a directory, not a topology file")
     if not p.is_file():
         raise ConfigError(f"{p}: topology file not found")
-    data = yaml.safe_load(p.read_text()) or {}
+    try:
+        data = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{p}: not valid YAML: {' '.join(str(e).split())}") from None
+    if data is None:
+        raise ConfigError(f"{p}: the file is empty; a topology needs at least gpus_per_node and rails_per_node")
     if not isinstance(data, dict):
         raise ConfigError(f"{p}: expected a mapping of keys to values at the top level")
     data.setdefault("name", p.stem)

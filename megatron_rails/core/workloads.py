@@ -29,12 +29,14 @@ from pathlib import Path
 
 import numpy as np
 
+from .errors import InputError
 from .plan import PlanError, check_counts
 
 SKEW_FORMS = "uniform | zipf:S | drift:S[:P] | bursty:S[:F[:R]] | one | file:PATH"
 MAX_S = 10.0                        # zipf exponent cap; steeper tails vanish below float64 resolution
 DRIFT_PERIOD = 100                  # default P
 BURST_FRAC, BURST_RATE = 0.5, 0.25  # default F, R
+MAX_TOTAL = 2**53                   # tokens in one counts matrix: exact in int64 sums and float64 means
 MIN_WEIGHT = 1e-12                  # the topk-th largest routing weight must reach this (relative to the sum)
 _CELLS = 1 << 16                    # lookup-table cells (16 random bits per draw)
 _MARK = 0xFFFF                      # table entry for a cell that straddles experts
@@ -43,7 +45,7 @@ _REJECT_ROUNDS = 4                  # rejection rounds for a repeated choice bef
 _TAG_PERM, _TAG_SAMPLE, _TAG_BURST = 0x5045524D, 0x53414D50, 0x42555253
 
 
-class WorkloadError(ValueError):
+class WorkloadError(InputError):
     """A workload spec, skew text or counts file is invalid."""
 
 
@@ -367,9 +369,30 @@ def _validate(arr, where: str) -> np.ndarray:
         try:
             check_counts(out[at])
         except PlanError as err:
-            at = "".join(f"{k} {v}, " for k, v in zip(("step", "layer"), at))
-            raise WorkloadError(f"{where}: {at}{err}") from None
+            raise WorkloadError(f"{where}: {_at(at)}{err}") from None
+    _check_totals(out, where)
     return out
+
+
+def _at(index) -> str:
+    return "".join(f"{k} {v}, " for k, v in zip(("step", "layer"), index))
+
+
+def _check_totals(counts_arr: np.ndarray, where: str) -> None:
+    """Each [D, E] matrix's total must stay exact in int64 sums and float64 means (planners use both);
+    counts near 2^62 would overflow the token totals silently."""
+    D, E = counts_arr.shape[-2:]
+    totals = counts_arr.reshape(-1, D * E).sum(axis=1, dtype=np.float64)  # float: cannot wrap around
+    big = np.flatnonzero(totals > MAX_TOTAL)
+    if big.size:
+        at = np.unravel_index(big[0], counts_arr.shape[:-2]) if counts_arr.ndim > 2 else ()
+        raise WorkloadError(f"{where}: {_at(tuple(int(i) for i in at))}counts sum to {totals[big[0]]:.3g} tokens; "
+                            f"at most 2^53 ({MAX_TOTAL:.3g}) per [D, E] matrix are supported")
+
+
+def validate_counts(arr, where: str) -> np.ndarray:
+    """int64 copy of a 2-D, 3-D or 4-D count array (see load_counts); WorkloadError naming `where`."""
+    return _validate(arr, where)
 
 
 def _suffix(p: Path) -> str:
@@ -386,6 +409,8 @@ def load_counts(path: str | os.PathLike) -> np.ndarray:
     FileNotFoundError.
     """
     p = Path(path)
+    if p.is_dir():
+        raise WorkloadError(f"{p}: is a directory, not a counts file")
     if not p.is_file():
         raise FileNotFoundError(f"counts file {str(p)!r} does not exist")
     if _suffix(p) == ".npy":
@@ -434,6 +459,8 @@ def _load_cached(path: str, mtime_ns: int, size: int) -> np.ndarray:
 
 def _file_counts(spec: WorkloadSpec, step: int, layer: int) -> np.ndarray:
     path = spec.parsed_skew.path
+    if os.path.isdir(path):
+        raise WorkloadError(f"{path}: is a directory, not a counts file (skew {spec.skew!r})")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"counts file {path!r} (skew {spec.skew!r}) does not exist")
     st = os.stat(path)

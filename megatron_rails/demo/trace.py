@@ -26,10 +26,12 @@ from pathlib import Path
 
 import numpy as np
 
+from ..core.errors import ChildFailed, InputError
+
 FORMAT, VERSION = "megatron-rails-trace", 1
 
 
-class TraceError(ValueError):
+class TraceError(InputError):
     """A trace cannot be recorded, saved or read."""
 
 
@@ -123,6 +125,8 @@ def save_trace(path, counts_IYDE, meta: dict | None = None) -> Path:
 def load_trace(path) -> tuple[np.ndarray, dict]:
     """(int64 counts [I, Y, D, E], metadata dict) from .npz, or .npy/.json counts (2-D, 3-D or 4-D)."""
     p = Path(path)
+    if p.is_dir():
+        raise TraceError(f"{p}: is a directory, not a trace file")
     if not p.is_file():
         raise FileNotFoundError(f"trace file {str(p)!r} does not exist")
     if p.suffix.lower() != ".npz":
@@ -145,7 +149,9 @@ def load_trace(path) -> tuple[np.ndarray, dict]:
     if c.ndim != 4 or c.dtype.kind not in "iu" or 0 in c.shape or c.min() < 0:
         raise TraceError(f"{p}: counts must be non-negative integers [steps, layers, ranks, experts], "
                          f"got shape {c.shape} dtype {c.dtype}")
-    return c.astype(np.int64), meta
+    from ..core.workloads import validate_counts
+
+    return validate_counts(c, str(p)), meta  # the same checks as a counts file (totals within int64)
 
 
 # -- recording the CPU demo -----------------------------------------------------------------------------------
@@ -199,11 +205,17 @@ def record_demo(out: str, steps: int = 10, policy: str = "none", ranks: int = 4,
     if policy not in POLICIES:
         raise TraceError(f"unknown policy {policy!r}; choose from {', '.join(POLICIES)}")
     if Path(out).suffix.lower() not in (".npz", ".npy", ".json"):
-        raise TraceError(f"{out}: unsupported extension; use .npz (with metadata), .npy or .json")
+        raise TraceError(f"--out {out}: unsupported extension; use .npz (with metadata), .npy or .json")
     if ranks < 1 or 8 % ranks:
         raise TraceError(f"--ranks must divide the demo's 8 experts, got {ranks}")
     if steps < 1:
         raise TraceError(f"--steps must be >= 1, got {steps}")
+    from ..core.policy import ConfigError, PolicyConfig
+
+    try:  # the workers install this policy: refuse it here rather than in a torchrun failure
+        PolicyConfig(policy=policy, slots=slots)
+    except ConfigError as err:
+        raise TraceError(f"--{err}") from None
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
            "--standalone", "-m", "megatron_rails.demo.trace", "--out", str(out),
            "--steps", str(steps), "--policy", policy, "--slots", str(slots)]
@@ -215,23 +227,8 @@ def record_demo(out: str, steps: int = 10, policy: str = "none", ranks: int = 4,
         if line.startswith("[trace] ") and not quiet:
             print(f"  {line.rstrip()}", file=sys.stderr, flush=True)
     if proc.wait() != 0:
-        raise RuntimeError(f"trace run failed (exit {proc.returncode}):\n{''.join(tail)}")
+        raise ChildFailed(f"trace run failed (exit {proc.returncode}):\n{''.join(tail)}")
     return Path(out)
-
-
-def register(subparsers) -> None:
-    from ..core.planners import POLICIES
-
-    p = subparsers.add_parser("trace", help="record per-layer routing counts of the CPU demo for simulate run --trace",
-                              description="Train the tiny CPU demo model on gloo ranks with a TraceRecorder on and "
-                                          "save counts [steps, layers, ranks, experts] (docs/simulator.md).")
-    p.add_argument("--out", required=True, help="trace file: .npz (counts + metadata), .npy or .json")
-    p.add_argument("--steps", type=int, default=10, help="training steps to record (default 10)")
-    p.add_argument("--policy", default="none", choices=POLICIES, help="policy the demo trains with (default none)")
-    p.add_argument("--ranks", type=int, default=4, help="gloo ranks = expert-parallel size (divides 8; default 4)")
-    p.add_argument("--slots", type=int, default=2, help="redundant slots per rank for the policy (default 2)")
-    p.add_argument("--quiet", action="store_true")
-    p.set_defaults(func=cmd_trace)
 
 
 def cmd_trace(args) -> int:

@@ -47,6 +47,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .rails import build_schedule, simulate_schedule
+from ..core.errors import InputError
 from ..core.topology import Topology
 
 OVERLAPS = ("none", "weights")
@@ -55,7 +56,7 @@ A2A_MODELS = ("fluid", "phased")
 CHUNK_BYTES = 1 << 20  # unit of weight traffic (1 MiB)
 
 
-class SimError(ValueError):
+class SimError(InputError):
     """The simulator cannot model this configuration or input."""
 
 

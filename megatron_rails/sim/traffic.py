@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..core.errors import InputError
 from ..core.workloads import WorkloadError, WorkloadSpec, counts, parse_skew
 
 TRAFFIC_FORMS = "uniform | zipf:S | plan:POLICY[:SKEW] | mixtral[:POLICY] | deepseek[:POLICY]"
@@ -38,7 +39,7 @@ MIXTRAL = dict(experts=8, topk=2, hidden=4096)
 DEEPSEEK = dict(experts=256, topk=8, hidden=7168)
 
 
-class TrafficError(ValueError):
+class TrafficError(InputError):
     """A traffic family text or its parameters are invalid."""
 
 

@@ -1,0 +1,204 @@
+"""Bad input to any `megatron-rails` command (issue #16, "tried as a new user would"): exit status 2, one
+line on stderr naming the argument (or file and key) and what is allowed, never a traceback.
+
+Runs the CLI in-process (`main(argv)`); argparse's usage errors leave it as SystemExit(2), errors found
+while a command reads its input return 2. Every case fails before any work starts (no rank, no timing),
+so the table stays fast.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from megatron_rails.cli import main
+from megatron_rails.core.policy import ConfigError, as_policy
+
+ROOT = Path(__file__).resolve().parents[1]
+MINI = str(ROOT / "configs" / "mini" / "mini-mixtral.yaml")
+POLICY = str(ROOT / "configs" / "policies" / "default.yaml")
+PLAN = ["plan", "--policy", "ultraep"]
+
+# (id, argv with {tmp} for the files of `files`, a word the one error line must contain)
+CASES = [
+    # plan: numbers out of range, NaN, the reported tracebacks and silently accepted values
+    ("plan repeats 0 budget 0", PLAN + ["--repeats", "0", "--budget", "0"], "--repeats"),
+    ("plan repeats -1", PLAN + ["--repeats", "-1"], "--repeats"),
+    ("plan budget -1", PLAN + ["--budget", "-1"], "--budget"),
+    ("plan budget nan", PLAN + ["--budget", "nan"], "--budget"),
+    ("plan budget inf", PLAN + ["--budget", "inf"], "--budget"),
+    ("plan tokens 1e14", PLAN + ["--tokens-per-rank", "1e14"], "--tokens-per-rank"),
+    ("plan tokens 0", PLAN + ["--tokens-per-rank", "0"], "--tokens-per-rank"),
+    ("plan tokens text", PLAN + ["--tokens-per-rank", "many"], "--tokens-per-rank"),
+    ("plan ranks 0", PLAN + ["--ranks", "0"], "--ranks"),
+    ("plan ranks huge", PLAN + ["--ranks", "99999999999999999999"], "--ranks"),
+    ("plan experts -8", PLAN + ["--experts", "-8"], "--experts"),
+    ("plan topk above experts", PLAN + ["--topk", "9"], "topk"),
+    ("plan seed -1", PLAN + ["--seed", "-1"], "--seed"),
+    ("plan slots -1", PLAN + ["--slots", "-1"], "--slots"),
+    ("plan slots 0 for ultraep", PLAN + ["--slots", "0"], "--slots"),
+    ("plan tolerance 2", PLAN + ["--tolerance", "2"], "--tolerance"),
+    ("plan window 0", PLAN + ["--window", "0"], "--window"),
+    ("plan placement", ["plan", "--policy", "lp", "--placement", "magic"], "--placement"),
+    ("plan node size", PLAN + ["--ranks-per-node", "3"], "--ranks-per-node"),
+    ("plan bad skew", PLAN + ["--skew", "zipf:-1"], "skew"),
+    ("plan counts with skew", PLAN + ["--counts", "{tmp}/c.npy", "--skew", "zipf:2"], "--skew"),
+    ("plan counts vs ranks", PLAN + ["--counts", "{tmp}/c.npy", "--ranks", "8"], "--ranks"),
+    ("plan counts vs experts", PLAN + ["--counts", "{tmp}/c.npy", "--experts", "16"], "--experts"),
+    ("plan counts missing", PLAN + ["--counts", "{tmp}/nope.npy"], "nope.npy"),
+    ("plan counts directory", PLAN + ["--counts", "{tmp}"], "directory"),
+    ("plan counts negative", PLAN + ["--counts", "{tmp}/neg.npy"], "negative"),
+    ("plan counts near 2^62", PLAN + ["--counts", "{tmp}/big.npy"], "2^53"),
+    # bench
+    ("bench unknown", ["bench", "magic", "--out", "{tmp}/b.json"], "invalid choice"),
+    ("bench local dtype", ["bench", "local", "--dtype", "foo", "--out", "{tmp}/b.json"], "--dtype"),
+    ("bench local shape", ["bench", "local", "--shape", "huge", "--out", "{tmp}/b.json"], "--shape"),
+    ("bench local device", ["bench", "local", "--device", "tpu:x", "--out", "{tmp}/b.json"], "--device"),
+    ("bench out directory", ["bench", "planners", "--out", "{tmp}"], "--out"),
+    ("bench out no directory", ["bench", "planners", "--out", "{tmp}/no/b.json"], "--out"),
+    ("bench step ranks", ["bench", "step", "--ranks", "4096", "--out", "{tmp}/b.json"], "--ranks"),
+    ("bench step microbatches", ["bench", "step", "--microbatches", "0", "--out", "{tmp}/b.json"], "--microbatches"),
+    # simulate run / a2a
+    ("simulate run steps 1e9", ["simulate", "run", MINI, "--steps", "1000000000"], "--steps"),
+    ("simulate run policy config", ["simulate", "run", POLICY], "policy config"),
+    ("simulate run directory", ["simulate", "run", "{tmp}"], "directory"),
+    ("simulate run empty", ["simulate", "run", "{tmp}/empty.yaml"], "empty"),
+    ("simulate run lr nan", ["simulate", "run", MINI, "training.lr=.nan"], "training.lr"),
+    ("simulate run nic inf", ["simulate", "run", MINI, "topology.nic_gbps=.inf"], "topology.nic_gbps"),
+    ("simulate run skew inf", ["simulate", "run", MINI, "model.router_skew=.inf"], "model.router_skew"),
+    ("simulate run layers huge", ["simulate", "run", MINI, "model.num_layers=99999999999999999999"],
+     "model.num_layers"),
+    ("simulate run mfu nan", ["simulate", "run", MINI, "--mfu", "nan"], "--mfu"),
+    ("simulate run slots -1", ["simulate", "run", MINI, "--slots", "-1"], "--slots"),
+    ("simulate run trace directory", ["simulate", "run", MINI, "--trace", "{tmp}"], "directory"),
+    ("simulate run plot directory", ["simulate", "run", MINI, "--plot", "{tmp}"], "--plot"),
+    ("simulate a2a nodes 0", ["simulate", "a2a", "--nodes", "0"], "--nodes"),
+    ("simulate a2a nodes huge", ["simulate", "a2a", "--nodes", "100", "--topology", "nvl72"], "--nodes"),
+    ("simulate a2a tokens -1", ["simulate", "a2a", "--nodes", "1", "--tokens-per-rank", "-1"], "--tokens-per-rank"),
+    ("simulate a2a empty topology", ["simulate", "a2a", "--nodes", "1", "--topology", "{tmp}/empty.yaml"], "empty"),
+    ("simulate a2a topology preset", ["simulate", "a2a", "--nodes", "1", "--topology", "dgx-z9"], "dgx-a100"),
+    # trace, soak, demo: refused before torchrun starts
+    ("trace ranks 3", ["trace", "--out", "{tmp}/t.npz", "--ranks", "3"], "--ranks"),
+    ("trace steps 0", ["trace", "--out", "{tmp}/t.npz", "--steps", "0"], "--steps"),
+    ("trace slots 0 for ultraep", ["trace", "--out", "{tmp}/t.npz", "--policy", "ultraep", "--slots", "0"], "--slots"),
+    ("trace extension", ["trace", "--out", "{tmp}/t.txt"], "--out"),
+    ("soak ranks 3", ["soak", "--ranks", "3"], "--ranks"),
+    ("soak planner calls -1", ["soak", "--planner-calls", "-1"], "--planner-calls"),
+    ("soak steps -1", ["soak", "--steps", "-1"], "--steps"),
+    ("demo ranks 3", ["demo", "--ranks", "3"], "--ranks"),
+    ("demo steps 0", ["demo", "--steps", "0"], "--steps"),
+    ("demo microbatches 0", ["demo", "--microbatches", "0"], "--microbatches"),
+    ("demo empty config", ["demo", "--config", "{tmp}/empty.yaml"], "empty"),
+    ("demo unknown preset", ["demo", "--config", "fastest"], "presets"),
+    ("demo config directory", ["demo", "--config", "{tmp}"], "directory"),
+    ("demo huge slots", ["demo", "--config", "{tmp}/slots.yaml"], "slots"),
+    ("demo plot no directory", ["demo", "--plot", "{tmp}/no/d.png"], "--plot"),
+    # config show / docs
+    ("config show lr inf", ["config", "show", MINI, "training.lr=.inf", "--megatron-args"], "training.lr"),
+    ("config show megatron-args of a policy", ["config", "show", POLICY, "--megatron-args"], "run config"),
+    ("config show directory", ["config", "show", "{tmp}"], "directory"),
+    ("config show typo kind", ["config", "show", "{tmp}/typo.yaml"], "did you mean 'policy'"),
+    ("config docs out directory", ["config", "docs", "--out", "{tmp}"], "--out"),
+    ("no command", [], "COMMAND"),
+]
+
+FILES = {  # name: YAML text, or a counts array
+    "empty.yaml": "",
+    "typo.yaml": "polcy: fsep\nslots: 1\n",
+    "slots.yaml": "policy: ultraep\nslots: 99999999999999999999\n",
+    "badtopo.yaml": "gpus_per_node: 0\nrails_per_node: 3\nnic_gbps: .nan\nlatency_us: -2\n",
+    "c.npy": np.array([[0, 0, 100, 0, 0, 20, 0, 0]] * 4),
+    "neg.npy": np.array([[1, -1]]),
+    "big.npy": np.full((2, 2), 2**62 - 1),
+}
+
+
+@pytest.fixture(scope="module")
+def tmp(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("cli_errors")
+    for name, content in FILES.items():
+        if isinstance(content, str):
+            (d / name).write_text(content)
+        else:
+            np.save(d / name, content.astype(np.int64))
+    return d
+
+
+def run_cli(argv: list[str], capsys) -> tuple[int, str, str]:
+    try:
+        rc = main(argv)
+    except SystemExit as e:  # argparse's usage errors
+        rc = e.code
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+@pytest.mark.parametrize("argv,word", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_bad_input_is_one_line_exit_2(argv, word, tmp, capsys):
+    rc, out, err = run_cli([a.replace("{tmp}", str(tmp)) for a in argv], capsys)
+    lines = err.strip().splitlines()
+    assert rc == 2, (rc, out, err)
+    assert "Traceback" not in out + err
+    assert len(lines) == 1 and lines[0].startswith("megatron-rails"), err
+    assert ": error: " in lines[0] and word in lines[0], err
+
+
+def test_topology_reports_every_error(tmp, capsys):
+    rc, _, err = run_cli(["simulate", "a2a", "--nodes", "1", "--topology", str(tmp / "badtopo.yaml")], capsys)
+    assert rc == 2 and "Traceback" not in err
+    lines = err.strip().splitlines()
+    assert [ln.split(": ")[3] for ln in lines] == ["gpus_per_node", "nic_gbps", "latency_us"], err
+    assert all(ln.startswith("megatron-rails simulate a2a: error: ") for ln in lines)
+
+
+def test_config_validate_names_each_problem(tmp, capsys):
+    """validate reports (exit 1: some file is invalid), one line per problem, the same words as the
+    other commands: an empty file, a directory, a misspelled kind key, every topology error."""
+    files = [tmp / "empty.yaml", tmp, tmp / "typo.yaml", tmp / "badtopo.yaml"]
+    rc, _, err = run_cli(["config", "validate", *map(str, files)], capsys)
+    assert rc == 1 and "Traceback" not in err
+    errors = [ln for ln in err.splitlines() if ln.startswith("error: ")]
+    assert "the file is empty" in errors[0] and "is a directory" in errors[1]
+    assert "unknown key 'polcy'; did you mean 'policy'?" in errors[2]
+    assert len(errors) == 6 and "4 of 4 file(s) invalid" in err
+
+
+def test_empty_policy_is_the_same_error_everywhere(tmp):
+    """install(path) and demo --config read a policy through as_policy: an empty file is an error there
+    too, not the fsep default."""
+    with pytest.raises(ConfigError, match="empty"):
+        as_policy(str(tmp / "empty.yaml"))
+
+
+def test_plan_reads_a_trace_npz(tmp, capsys):
+    from megatron_rails.demo.trace import save_trace
+
+    c = np.load(tmp / "c.npy")
+    save_trace(tmp / "t.npz", np.stack([np.stack([c, c])] * 3), {"topk": 2})
+    rc, out, err = run_cli(["plan", "--policy", "none", "--counts", str(tmp / "t.npz"), "--ranks", "4", "--json",
+                            "--repeats", "1", "--budget", "0"], capsys)
+    assert rc == 0, err
+    assert '"tokens": 480' in out and '"ranks": 4' in out
+
+
+def test_help_shows_defaults_and_version(capsys):
+    from megatron_rails import __version__
+
+    rc, out, _ = run_cli(["--version"], capsys)
+    assert rc == 0 and out.strip() == f"megatron-rails {__version__}"
+    rc, out, _ = run_cli(["plan", "--help"], capsys)
+    text = " ".join(out.split())
+    assert rc == 0 and "plan one counts matrix" in text
+    for shown in ("default: 8;", "(default: zipf:1.2)", "(default: 50)", "bursty:S[:F[:R]]"):
+        assert shown in text, shown
+    rc, out, _ = run_cli(["simulate", "a2a", "--help"], capsys)
+    assert all(name in out for name in ("cpu-2x2", "dgx-a100", "dgx-h100", "nvl72"))
+
+
+def test_bench_choices_match_the_benchmark():
+    """The CLI lists bench local's shapes and dtypes without importing torch; they must stay its own."""
+    from megatron_rails.bench.local import DTYPES, SHAPES
+    from megatron_rails.cli.main import BENCH_DTYPES, BENCH_SHAPES
+
+    assert set(BENCH_SHAPES) == set(SHAPES) and set(BENCH_DTYPES) == set(DTYPES)
