@@ -7,13 +7,24 @@ so the table stays fast.
 """
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from megatron_rails.cli import main
+
 from megatron_rails.core.policy import ConfigError, as_policy
+
+
+@pytest.fixture(autouse=True)
+def _keep_affinity():
+    """`plan` pins its process to one core (for its latency figures); in-process runs here must not
+    leave the test process, and the subprocesses later tests start, on one core."""
+    cores = os.sched_getaffinity(0)
+    yield
+    os.sched_setaffinity(0, cores)
 
 ROOT = Path(__file__).resolve().parents[1]
 MINI = str(ROOT / "configs" / "mini" / "mini-mixtral.yaml")

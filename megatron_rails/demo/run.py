@@ -102,7 +102,7 @@ def run_demo(config: str | None = None, steps: int = 20, ranks: int | None = Non
     if os.path.isfile(config) is False and (POLICY_DIR / f"{config}.yaml").is_file():
         config = str(POLICY_DIR / f"{config}.yaml")  # a preset name: the training script takes a path
     cores = len(os.sched_getaffinity(0))
-    ranks = ranks or min(4, cores)
+    ranks = ranks or max(2, min(4, cores))  # one rank has nothing to balance
     pin = ranks <= cores  # more ranks than cores still runs, but step times then do not compare
     G = VIRTUAL_NODE if ranks % VIRTUAL_NODE == 0 else ranks  # an odd rank count: one node
     with tempfile.TemporaryDirectory() as tmp:
