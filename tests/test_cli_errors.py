@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 
 from megatron_rails.cli import main
-
 from megatron_rails.core.policy import ConfigError, as_policy
 
 
@@ -25,6 +24,7 @@ def _keep_affinity():
     cores = os.sched_getaffinity(0)
     yield
     os.sched_setaffinity(0, cores)
+
 
 ROOT = Path(__file__).resolve().parents[1]
 MINI = str(ROOT / "configs" / "mini" / "mini-mixtral.yaml")
