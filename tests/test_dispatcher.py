@@ -128,3 +128,15 @@ def _spec_worker(rank, world):
 def test_layer_spec_route():
     """RailsMoELayer through a layer spec, without install(): same losses as stock."""
     spawn(_spec_worker, 2)
+
+
+def test_unbalanced_warning_advice_fits_the_policy():
+    """eplb's imbalance comes from its history, not its slot budget: its advice names window and
+    interval and never says to raise slots; the per-step planners' says to raise slots."""
+    from megatron_rails.core.policy import PolicyConfig
+    from megatron_rails.runtime.layer import _unbalanced_advice
+
+    eplb = _unbalanced_advice(PolicyConfig(policy="eplb", window=4, interval=2))
+    assert "last 4 steps" in eplb and "every 2 steps" in eplb and "raise slots" not in eplb
+    for name in ("ultraep", "lp", "fsep"):
+        assert "raise slots" in _unbalanced_advice(PolicyConfig(policy=name, slots=2))

@@ -257,16 +257,20 @@ def plot_step(res: dict, png: str) -> None:
 
     rows = res["rows"]
     skews = list(dict.fromkeys(r["skew"] for r in rows))
-    fig, ax = plt.subplots(figsize=(8, 3.5))
+    fig, ax = plt.subplots(figsize=(8, 4.6))
     width = 0.8 / len(POLICIES)
     for i, p in enumerate(POLICIES):
         vals = [next(r["of_ideal"] for r in rows if r["skew"] == s and r["policy"] == p) for s in skews]
         ax.bar(np.arange(len(skews)) + i * width, vals, width, label=p)
-    ax.axhline(1.0, color="k", lw=0.8)
+    ax.axhline(1.0, color="k", lw=0.8, label="ideal (forced-balanced none)")
+    ax.axhline(0.95, color="k", lw=0.8, ls="--", label="target at zipf: ultraep, lp >= 0.95")
+    ax.axhline(0.93, color="gray", lw=0.8, ls=":", label="target at zipf: fsep, default >= 0.93")
     ax.set_xticks(np.arange(len(skews)) + width * (len(POLICIES) - 1) / 2, skews)
+    ax.set_ylim(0, 1.1)
     ax.set_ylabel("forced-balanced step / this step")
     ax.set_title(f"bench step: {res['meta']['ranks']} ranks, {res['meta']['microbatches']} microbatches per step")
-    ax.legend(ncol=3, fontsize=8)
+    # outside the axes: inside, it hides bars
+    ax.legend(ncol=3, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.12))
     fig.tight_layout()
     fig.savefig(png, dpi=120)
     plt.close(fig)

@@ -80,6 +80,16 @@ def is_replay() -> bool:
     return _graph_task_id is not None and _graph_task_id() != -1
 
 
+def _unbalanced_advice(policy: PolicyConfig) -> str:
+    """What a user can change when a balancing policy leaves a step unbalanced."""
+    if policy.policy == "eplb":
+        return (f"eplb places replicas from the last {policy.window} steps' loads, re-planned every "
+                f"{policy.interval} steps: a shorter interval / window follows a shifting skew sooner, and "
+                "ultraep or lp plan from every step's exact counts.")
+    return (f"The slot budget (slots: {policy.slots}) cannot absorb this skew, or the placement resident "
+            "since the optimizer step's first microbatch does not fit these counts: raise slots to fix.")
+
+
 class PlanMismatchError(RuntimeError):
     """Ranks computed different plans for the same layer (debug check)."""
 
@@ -270,9 +280,8 @@ class LayerRuntime:
             self.unbalanced_steps += 1
             if self.unbalanced_steps == 1 and self.rank == 0:
                 warnings.warn(f"megatron-rails: {plan.policy} left max/mean tokens per rank at {after:.3f} "
-                              f"(> {1 + BALANCE_WARN}); the slot budget (slots: {self.policy.slots}) cannot absorb "
-                              f"this skew. Counted in the metric 'unbalanced_steps'; raise slots to fix.",
-                              RuntimeWarning, stacklevel=3)
+                              f"(> {1 + BALANCE_WARN}). {_unbalanced_advice(self.policy)} Counted in the "
+                              f"metric 'unbalanced_steps'.", RuntimeWarning, stacklevel=3)
         self.metrics.append({
             "policy": plan.policy,
             "max_over_mean_before": imbalance(before_D),
