@@ -55,8 +55,13 @@ def test_plan_errors_are_clear(tmp_path):
 
 def test_bench_planners_quick(tmp_path):
     out = tmp_path / "b.json"
-    run("bench", "planners", "--quick", "--out", str(out))
+    p = run("bench", "planners", "--quick", "--out", str(out))
     res = json.loads(out.read_text())
+    # stdout holds the JSON summary only (progress bar and HiGHS' banner on stderr), no nulls
+    summary = json.loads(p.stdout)
+    assert summary == res["targets"] and "null" not in p.stdout and "HiGHS" not in p.stdout
+    assert summary["ultraep_p50_us_worst_measured"]["us"] > 0 and len(summary["not_measured"]) == 2
+    assert f"wrote {out}" in p.stderr
     rows = [r for r in res["rows"] if "error" not in r]
     assert {r["policy"] for r in rows} == {"none", "eplb", "fsep", "ultraep", "lp"}
     assert res["lp_vs_highs"]["gap_count"] == 0
@@ -90,8 +95,9 @@ def test_bench_dispatcher_quick(tmp_path):
     """Structure, the quantities that follow from the shape alone, and the figures derived from the timings
     (recomputed here; the timings themselves are not checked)."""
     out = tmp_path / "d.json"
-    run("bench", "dispatcher", "--quick", "--out", str(out))
+    p = run("bench", "dispatcher", "--quick", "--out", str(out))
     res = json.loads(out.read_text())
+    assert json.loads(p.stdout) == res["targets"] and f"wrote {out}" in p.stderr  # stdout: results only
     H, F, E, T, k, D = 256, 512, 8, 1024, 2, res["meta"]["world"]
     assert res["meta"]["shape"] == {"hidden": H, "ffn": F, "experts": E, "topk": k, "tokens": T}
     rows = {(r["policy"], r["skew"]): r for r in res["rows"]}
@@ -126,7 +132,9 @@ def test_bench_dispatcher_quick(tmp_path):
             assert match, (policy, skew, r["overhead_vs_none"], pairings)
             overhead[policy, skew] = match[0]
     # the targets, from the recomputed overheads; on the skewed step every policy but none balances
-    assert res["targets"]["uniform_overhead_le_5pct"] == {p: overhead[p, "uniform"] <= 0.05 for p in policies}
+    # (--quick: the overheads as numbers, no noise-driven yes/no against 5%)
+    assert res["targets"]["uniform_overhead_vs_none"] == pytest.approx({p: overhead[p, "uniform"] for p in policies})
+    assert "uniform_overhead_le_5pct" not in res["targets"] and res["targets"]["not_evaluated"]
     assert res["targets"]["zipf_max_over_mean_le_1_05"] == {p: p != "none" for p in policies}
     floor = res["meta"]["fsep_weight_exchange"]
     assert floor["bytes_per_rank"] == E * -(-3 * H * F // D) * 4 and floor["ms_p50"] > 0

@@ -158,7 +158,7 @@ def test_json_keys_and_plot(capsys, tmp_path):
 def test_table_and_progress(capsys):
     assert cli.main(["simulate", "run", X7, "--steps", "2", "--policies", "none,eplb", "--comm", "direct"]) == 0
     out, err = capsys.readouterr()
-    assert "iteration ms" in out and "eplb" in out and "force-balanced ideal" in out
+    assert "iter ms" in out and "eplb" in out and "force-balanced ideal" in out
     assert "step 1/2" in err and "step 2/2" in err
 
 

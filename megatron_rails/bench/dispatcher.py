@@ -136,12 +136,16 @@ def _weight_exchange_ms(store, reps: int, warmup: int) -> dict:
     return {"bytes_per_rank": buf.numel() * buf.element_size(), "ms_p50": float(np.median(times) * 1e3)}
 
 
-def bench_dispatcher(out: str, reps: int = 20, world: int = 4, warmup: int = WARMUP) -> dict:
+def bench_dispatcher(out: str, reps: int = 20, world: int = 4, warmup: int = WARMUP, quick: bool = False) -> dict:
     tmp = out + ".rows"
     print(f"dispatcher bench: {world} gloo ranks, hidden {SHAPE['hidden']}, ffn {SHAPE['ffn']}, "
           f"{SHAPE['experts']} experts top-{SHAPE['topk']}, {SHAPE['tokens']} tokens/rank", file=sys.stderr)
     with tempfile.TemporaryDirectory(prefix="rails-bench-") as rdzv:  # a file rendezvous: no port to race for
-        mp.start_processes(_worker, args=(world, f"{rdzv}/store", reps, warmup, tmp), nprocs=world, start_method="spawn")
+        from ..sim.term import quiet_children
+
+        with quiet_children():
+            mp.start_processes(_worker, args=(world, f"{rdzv}/store", reps, warmup, tmp), nprocs=world,
+                               start_method="spawn")
     with open(tmp) as f:
         got = json.load(f)
     os.remove(tmp)
@@ -153,12 +157,24 @@ def bench_dispatcher(out: str, reps: int = 20, world: int = 4, warmup: int = WAR
                             "step has two: the gather and the gradients back)",
                     "fsep_weight_exchange": got["fsep_weight_exchange"]},
            "rows": rows,
-           "targets": {
-               "uniform_overhead_le_5pct": {r["policy"]: r["overhead_vs_none"] <= 0.05
-                                            for r in rows if r["skew"] == "uniform"},
-               "zipf_max_over_mean_le_1_05": {r["policy"]: r["max_over_mean_after"] <= 1.05
-                                              for r in rows if r["skew"] != "uniform"}}}
+           "targets": targets(rows, quick)}
     with open(out, "w") as f:
         json.dump(res, f, indent=1)
     print(json.dumps(res["targets"], indent=1))
+    print(f"wrote {out}", file=sys.stderr)
     return res
+
+
+def targets(rows: list[dict], quick: bool = False) -> dict:
+    """The dispatcher targets on the measured rows. The overhead figures are always there; their
+    yes/no against 5% only from a full run: --quick times 2 rounds, where CPU noise decides it."""
+    overhead = {r["policy"]: r["overhead_vs_none"] for r in rows if r["skew"] == "uniform"}
+    out = {"uniform_overhead_vs_none": overhead}
+    if quick:
+        out["not_evaluated"] = ["uniform_overhead_le_5pct: --quick times 2 rounds of a CPU layer, too few for a "
+                                "5% verdict (run without --quick)"]
+    else:
+        out["uniform_overhead_le_5pct"] = {p: v <= 0.05 for p, v in overhead.items()}
+    out["zipf_max_over_mean_le_1_05"] = {r["policy"]: r["max_over_mean_after"] <= 1.05
+                                         for r in rows if r["skew"] != "uniform"}
+    return out

@@ -199,4 +199,8 @@ def bench_local(out: str, shape_name: str = "mixtral-8x7b", device: str = "cpu",
            "rows": rows}
     with open(out, "w") as f:
         json.dump(res, f, indent=1)
+    # stdout: the summary, as every bench; stderr: progress and where the results went
+    print(json.dumps({"ratio_vs_megatron": {f"{r['policy']} {r['skew']}": r["ratio_vs_megatron"] for r in rows}},
+                     indent=1))
+    print(f"wrote {out}", file=sys.stderr)
     return res

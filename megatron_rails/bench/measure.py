@@ -4,7 +4,9 @@ and the planner demo.
 """
 from __future__ import annotations
 
+import contextlib
 import os
+import sys
 import time
 from dataclasses import dataclass
 
@@ -21,6 +23,26 @@ def pin_one_core() -> None:
             os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})
         except OSError:
             pass
+
+
+@contextlib.contextmanager
+def stdout_to_stderr():
+    """Send what native code (HiGHS' banner, ...) writes to file descriptor 1 to stderr, so stdout keeps
+    only a command's results."""
+    sys.stdout.flush()
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # a captured stdout (pytest): nothing to redirect
+        yield
+        return
+    saved = os.dup(fd)
+    try:
+        os.dup2(sys.stderr.fileno(), fd)
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, fd)
+        os.close(saved)
 
 
 def time_planner(planner, counts_DE: np.ndarray, min_reps: int = 20, max_reps: int = 2000,

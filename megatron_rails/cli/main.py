@@ -126,7 +126,7 @@ def cmd_bench(args) -> int:
     if args.what == "dispatcher":
         from ..bench.dispatcher import bench_dispatcher
 
-        bench_dispatcher(args.out, **(dict(reps=2, warmup=1) if args.quick else {}))
+        bench_dispatcher(args.out, **(dict(reps=2, warmup=1, quick=True) if args.quick else {}))
         return 0
     if args.what == "rails":
         from ..bench.rails import bench_rails

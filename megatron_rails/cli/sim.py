@@ -35,6 +35,7 @@ def register(subparsers) -> None:
                    help="R for the planner of plan/mixtral/deepseek traffic")
     p.add_argument("--seed", type=int_range("--seed", 0, 2**32 - 1), default=0, help="workload seed")
     p.add_argument("--json", action="store_true", help="print a JSON list, one object per scheme")
+    p.add_argument("--wide", action="store_true", help="every column of the table (wider than 80 characters)")
     p.set_defaults(func=cmd_a2a)
 
     from .sim_run import register_run
@@ -93,25 +94,23 @@ def cmd_a2a(args) -> int:
     if args.json:
         print(json.dumps(rows))
         return 0
-    from rich.console import Console
-    from rich.table import Table
+    from ..sim.term import console, note, table
 
     mib = head["total_bytes"] / head["ranks"] / 2**20
-    t = Table(title=f"all-to-all on {head['topology']} x {head['nodes']} nodes ({head['ranks']} GPUs), "
-                    f"traffic {head['traffic']}, {mib:.1f} MiB/rank mean")
-    for col in ("scheme", "t us", "phased us", "LB us", "t/LB", "busbw GB/s", "vs direct", "rail max/mean",
-                "in-node", "bottleneck", "hops"):
-        t.add_column(col, justify="left" if col in ("scheme", "bottleneck") else "right")
+    title = (f"all-to-all on {head['topology']} x {head['nodes']} nodes ({head['ranks']} GPUs), "
+             f"traffic {head['traffic']}, {mib:.1f} MiB/rank mean")
+    cols = ["scheme", "t us", *(["phased us"] if args.wide else []), "LB us", "t/LB", "busbw\nGB/s", "vs\ndirect",
+            "rail\nmax/mean", *(["in-node", "hops"] if args.wide else []), "bottleneck"]
+    t = table(title, cols, left=("scheme", "bottleneck"))
     for r in rows:
-        t.add_row(r["scheme"], f"{r['completion_us']:.1f}", f"{r['phased_us']:.1f}", f"{r['lower_bound_us']:.1f}",
-                  f"{r['ratio_to_lb']:.3f}", f"{r['busbw_GBps']:.2f}", f"{100 * r['busbw_gain_over_direct']:+.1f}%",
-                  f"{r['rail_max_over_mean']:.2f}", f"{r['rail_node_max_over_mean']:.3f}", r["bottleneck"],
-                  str(r["hops"]))
-    con = Console()
-    if not con.is_terminal:
-        con = Console(width=max(con.width, 120))
+        t.add_row(r["scheme"], f"{r['completion_us']:.1f}", *([f"{r['phased_us']:.1f}"] if args.wide else []),
+                  f"{r['lower_bound_us']:.1f}", f"{r['ratio_to_lb']:.3f}", f"{r['busbw_GBps']:.2f}",
+                  f"{100 * r['busbw_gain_over_direct']:+.1f}%", f"{r['rail_max_over_mean']:.2f}",
+                  *([f"{r['rail_node_max_over_mean']:.3f}", str(r["hops"])] if args.wide else []), r["bottleneck"])
+    con = console(t, args.wide)
     con.print(t)
-    print("t: fluid completion; phased: three store-and-forward phases; LB: lower bound; busbw in GB/s "
-          "(nccl-tests all-to-all definition, S = mean bytes per rank); rail max/mean: busiest NIC port / mean over "
-          "all ports; in-node: the worst node's busiest rail / its mean rail")
+    note(con, "t: fluid completion; LB: lower bound; busbw in GB/s (nccl-tests all-to-all definition, S = mean bytes "
+              "per rank); vs direct: busbw gain; rail max/mean: busiest NIC port / mean over all ports"
+              + ("; phased: three store-and-forward phases; in-node: the worst node's busiest rail / its mean rail"
+                 if args.wide else " (--wide: phased time, in-node rail balance, hops)"))
     return 0

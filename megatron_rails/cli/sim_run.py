@@ -44,6 +44,7 @@ def register_run(subparsers) -> None:
     p.add_argument("--a2a-model", choices=A2A_MODELS, default="fluid",
                    help="all-to-all time: fluid (pipelined) or phased (store-and-forward per phase)")
     p.add_argument("--json", action="store_true", help="print one JSON object (setup, options, assumptions, rows)")
+    p.add_argument("--wide", action="store_true", help="every column of the table (wider than 80 characters)")
     p.add_argument("--plot", type=out_file("--plot"), help="write a PNG of stacked bars per policy x comm")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     p.set_defaults(func=cmd_run)
@@ -87,7 +88,7 @@ def cmd_run(args) -> int:
     if args.json:
         print(json.dumps(result))
     else:
-        print_table(result)
-        if args.plot:
-            print(f"plot: {args.plot}")
+        print_table(result, wide=args.wide)
+    if args.plot:
+        print(f"wrote {args.plot}", file=sys.stderr)
     return 0

@@ -80,17 +80,60 @@ def plot(bal: dict, png: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from matplotlib.ticker import MaxNLocator
+
     fig, ax = plt.subplots(figsize=(7, 4))
-    for i, steps in enumerate(bal["layers"]):
-        ax.plot([m["max_over_mean_before"] for m in steps], ls="--", label=f"layer {i}: stock placement")
-        ax.plot([m["max_over_mean_after"] for m in steps], label=f"layer {i}: {bal['policy']}")
-    ax.set_xlabel("step")
+    n_steps = max(1, len(bal.get("losses", [])) or 1)
+    colors = plt.get_cmap("tab10").colors
+    for i, recs in enumerate(bal["layers"]):
+        # one record per microbatch: microbatch j of step s sits at s + j / microbatches (steps from 1)
+        per = max(1, len(recs) // n_steps)
+        x = 1 + np.arange(len(recs)) / per
+        c = colors[i % len(colors)]  # a layer's stock and policy lines share its colour
+        ax.plot(x, [m["max_over_mean_before"] for m in recs], ls="--", color=c, label=f"layer {i}: stock placement")
+        ax.plot(x, [m["max_over_mean_after"] for m in recs], color=c, label=f"layer {i}: {bal['policy']}")
+    ax.axhline(1.0, color="grey", ls=":", lw=1, label="perfect balance (1.0)")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel("training step (points: its microbatches)")
     ax.set_ylabel("max / mean tokens per rank")
-    ax.set_title("expert load imbalance per step")
-    ax.legend(fontsize=8)
+    ax.set_title(f"expert load imbalance per microbatch: stock placement (dashed) vs {bal['policy']} (solid)",
+                 fontsize=9)
+    ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     fig.savefig(png, dpi=110)
     plt.close(fig)
+
+
+def print_report(summary: dict, policy: str, comm: str, ranks: int, G: int, steps: int, microbatches: int,
+                 pin: bool) -> None:
+    """The demo's table and notes, fitting the terminal (80 columns when not a terminal)."""
+    from ..sim.term import console, note, table
+
+    t = table(f"megatron-rails demo: none vs {policy} + comm {comm} ({ranks} ranks as {ranks // G} virtual "
+              f"node(s), {steps} steps)",
+              ["layer", "max/mean\nstock", f"max/mean\n{policy}", "token\nMB/step", "weight\nMB/step",
+               "plan us\np50"])
+    for x in summary["layers"]:
+        t.add_row(str(x["layer"]), f"{x['max_over_mean_before']:.3f}", f"{x['max_over_mean_after']:.3f}",
+                  f"{x['token_bytes_per_step'] / 1e6:.3f}", f"{x['weight_bytes_per_step'] / 1e6:.3f}",
+                  f"{x['plan_us_p50']:.0f}")
+    con = console(t)
+    con.print(t)
+    note(con, f"max/mean: tokens on the busiest rank / mean, stock placement (policy none) and {policy}; "
+              f"MB/step: bytes sent per optimizer step; plan us p50: median planner time per call")
+    note(con, f"loss parity: max |none - {policy}| = {summary['loss_max_abs_diff']:.2e} "
+              f"(rel {summary['loss_max_rel_diff']:.2e}); loss {summary['loss_first']:.4f} -> "
+              f"{summary['loss_last']:.4f}")
+    note(con, f"step time (median, {microbatches} microbatches): none {summary['step_ms_none']:.0f} ms, {policy} "
+              f"{summary['step_ms_policy']:.0f} ms ({summary['step_ms_policy'] / summary['step_ms_none']:.2f}x; "
+              f"CPU gloo{', one core per rank' if pin else ', ranks sharing cores: not comparable'}; "
+              f"not a GPU timing)")
+    w = sum(x["weight_bytes_per_step"] for x in summary["layers"])
+    tok = sum(x["token_bytes_per_step"] for x in summary["layers"])
+    if summary["step_ms_policy"] > summary["step_ms_none"] and w > tok:
+        note(con, f"{policy} moved {w / max(tok, 1):.0f}x more weight bytes than token bytes per step, and here "
+                  f"nothing overlaps that traffic: at this toy scale the re-layout costs more than the imbalance "
+                  f"it removes (docs/benchmarks.md)")
 
 
 def run_demo(config: str | None = None, steps: int = 20, ranks: int | None = None, json_out: bool = False,
@@ -119,33 +162,9 @@ def run_demo(config: str | None = None, steps: int = 20, ranks: int | None = Non
     summary.update(comm=pcfg.comm, ranks_per_node=G, microbatches=microbatches, pinned=pin)
     plot(bal, png)
     summary["plot"] = png
+    print(f"wrote {png}", file=sys.stderr)
     if json_out:
         print(json.dumps(summary))
         return 0
-    from rich.console import Console
-    from rich.table import Table
-
-    t = Table(title=f"megatron-rails demo: none vs {pcfg.policy} + comm {pcfg.comm} ({ranks} ranks as "
-                    f"{ranks // G} virtual node(s), {steps} steps)")
-    for col in ("layer", "max/mean before", "max/mean after", "token MB/step", "weight MB/step", "plan us p50"):
-        t.add_column(col, justify="right")
-    for x in summary["layers"]:
-        t.add_row(str(x["layer"]), f"{x['max_over_mean_before']:.3f}", f"{x['max_over_mean_after']:.3f}",
-                  f"{x['token_bytes_per_step'] / 1e6:.3f}", f"{x['weight_bytes_per_step'] / 1e6:.3f}",
-                  f"{x['plan_us_p50']:.0f}")
-    con = Console()
-    con.print(t)
-    con.print(f"loss parity: max |none - {pcfg.policy}| = {summary['loss_max_abs_diff']:.2e} "
-              f"(rel {summary['loss_max_rel_diff']:.2e}); loss {summary['loss_first']:.4f} -> "
-              f"{summary['loss_last']:.4f}")
-    con.print(f"step time (median, {microbatches} microbatches): none {summary['step_ms_none']:.0f} ms, {pcfg.policy} "
-              f"{summary['step_ms_policy']:.0f} ms ({summary['step_ms_policy'] / summary['step_ms_none']:.2f}x; CPU gloo"
-              f"{', one core per rank' if pin else ', ranks sharing cores: not comparable'}; not a GPU timing)")
-    w = sum(x["weight_bytes_per_step"] for x in summary["layers"])
-    tok = sum(x["token_bytes_per_step"] for x in summary["layers"])
-    if summary["step_ms_policy"] > summary["step_ms_none"] and w > tok:
-        con.print(f"  {pcfg.policy} moved {w / max(tok, 1):.0f}x more weight bytes than token bytes per step, and here "
-                  f"nothing overlaps that traffic: at this toy scale the re-layout costs more than the imbalance it "
-                  f"removes (docs/benchmarks.md)")
-    con.print(f"imbalance plot: {png}")
+    print_report(summary, pcfg.policy, pcfg.comm, ranks, G, steps, microbatches, pin)
     return 0

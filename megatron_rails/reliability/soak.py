@@ -167,8 +167,11 @@ def dispatcher_soak(steps: int = 200, world: int = 4, timeout_s: float = 300.0) 
 
     with tempfile.TemporaryDirectory() as tmp:
         out = f"{tmp}/soak"
-        mp.start_processes(_dispatcher_worker, args=(world, f"{tmp}/store", steps, out, timeout_s), nprocs=world,
-                           start_method="spawn")
+        from ..sim.term import quiet_children
+
+        with quiet_children():
+            mp.start_processes(_dispatcher_worker, args=(world, f"{tmp}/store", steps, out, timeout_s), nprocs=world,
+                               start_method="spawn")
         ranks = []
         for r in range(world):
             with open(f"{out}.{r}") as f:

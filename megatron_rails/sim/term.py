@@ -1,0 +1,54 @@
+"""Terminal output of the CLI's tables: fit the terminal (COLUMNS, 80 when not a terminal), wrap
+headers and footnotes instead of cutting them; `--wide` widens the console to the whole table."""
+from __future__ import annotations
+
+
+def table(title: str, columns: list[str], left: tuple[str, ...] = ()):
+    """A rich Table without outer borders or edge padding (every character counts at 80 columns); a
+    header may hold newlines ("busbw\nGB/s") so that it is no wider than its numbers."""
+    from rich import box
+    from rich.table import Table
+
+    t = Table(title=title, box=box.MINIMAL_HEAVY_HEAD, show_edge=False, pad_edge=False)
+    for col in columns:
+        t.add_column(col, justify="left" if col in left else "right", overflow="fold")
+    return t
+
+
+def console(t=None, wide: bool = False):
+    """A Console of the terminal's width (rich reads COLUMNS; 80 when stdout is not a terminal); with
+    `wide`, at least as wide as the table `t` needs on one line per row."""
+    from rich.console import Console
+
+    con = Console(highlight=False)
+    if wide and t is not None:
+        need = Console(width=10_000).measure(t).maximum
+        if need > con.width:
+            con = Console(width=need, highlight=False)
+    return con
+
+
+def note(con, text: str) -> None:
+    """A footnote, wrapped at the console's width (no markup: brackets such as nic_in[7,3] stay)."""
+    con.print(text, markup=False, highlight=False)
+
+
+class quiet_children:
+    """Spawned worker processes (torch.multiprocessing spawn) start with PYTHONWARNINGS=ignore: Megatron's
+    import-time Apex / Transformer Engine and deprecation warnings are noise, as `demo` already treats them.
+    A PYTHONWARNINGS the user set is kept."""
+
+    def __enter__(self):
+        import os
+
+        self.before = os.environ.get("PYTHONWARNINGS")
+        if self.before is None:
+            os.environ["PYTHONWARNINGS"] = "ignore"
+        return self
+
+    def __exit__(self, *exc):
+        import os
+
+        if self.before is None:
+            os.environ.pop("PYTHONWARNINGS", None)
+        return False
