@@ -19,13 +19,15 @@ STEPS, MICRO = 3, 4
 POLICIES = ("none", "eplb", "ultraep", "lp", "fsep")
 
 
-def _layers(world, policy):
+def _layers(world, policy, grow=False):
     import megatron_rails
 
     torch.manual_seed(11)
     stock = build_moe_layer(moe_config(world, "allgather", experts=E, hidden=H))
+    # grow: every replica that lowers the busiest rank is worth its bytes (the default cost, tens of
+    # thousands of tokens, never pays at this size)
     megatron_rails.install({"policy": policy, "slots": 2, "comm": "direct", "tolerance": 0.0, "window": 2,
-                            "interval": 2})
+                            "interval": 2, **({"replica_cost_tokens": 1} if grow else {})})
     try:
         rails = build_moe_layer(moe_config(world, "alltoall", experts=E, hidden=H))
     finally:
@@ -47,18 +49,18 @@ def _batch(rank, step, micro, u):
     return x.view(T, 1, H)
 
 
-def _worker(rank, world, policies, accumulate, recompute):
+def _worker(rank, world, policies, accumulate, recompute, grow=False):
     from megatron.core import tensor_parallel
 
     from megatron_rails import no_sync
 
     w = torch.linspace(-1, 1, T * H).view(T, 1, H)
     for policy in policies:
-        stock, rails, u = _layers(world, policy)
+        stock, rails, u = _layers(world, policy, grow)
         disp = rails.token_dispatcher
         opts = {n: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for n, m in (("stock", stock),
                                                                                        ("rails", rails))}
-        reused = 0
+        reused = grown = 0
         for step in range(STEPS):
             n_records = len(disp.metrics)
             for micro in range(MICRO):
@@ -84,9 +86,19 @@ def _worker(rank, world, policies, accumulate, recompute):
             assert len({tuple(c) for c in counts}) > 1, "the microbatches of a step must differ in counts"
             if accumulate and policy != "none":
                 fetched = [r["slots_fetched"] for r in records]
-                assert fetched[0] and not any(fetched[1:]), f"{policy}, step {step}: fetched {fetched}"
-                assert all(r["weight_bytes_sent"] == 0 for r in records[1:])
+                added = [r["slots_added"] for r in records]
+                assert fetched[0], f"{policy}, step {step}: the first microbatch fetched nothing"
+                # once a training forward used moved slots, later microbatches fetch only replicas the
+                # resident placement grows by (before that, e.g. eplb falling back to stock, a new
+                # placement may replace it)
+                used = np.cumsum([r["resident_slots"] > 0 for r in records]) > 0
+                for i in range(1, MICRO):
+                    if used[i - 1]:
+                        assert fetched[i] == (added[i] > 0), f"{policy}, step {step}, microbatch {i}: {records[i]}"
+                        assert (records[i]["weight_bytes_sent"] == 0) == (added[i] == 0), records[i]
+                assert grow or not any(added), f"{policy}: grew at the default cost: {added}"
                 reused += sum(r["replicas_used"] > 0 for r in records[1:])
+                grown += sum(added)
             for opt in opts.values():
                 opt.step()
                 opt.zero_grad(set_to_none=True)
@@ -97,6 +109,8 @@ def _worker(rank, world, policies, accumulate, recompute):
                                            msg=lambda m: f"{policy}, after step {step}, {k}: {m}")
         if accumulate and policy != "none":
             assert reused > 0, f"{policy}: no later microbatch computed on a resident slot"
+        if grow and policy in ("ultraep", "lp"):  # a different hot expert every microbatch: room to grow
+            assert grown > 0, f"{policy}: the resident placement never grew"
         # evaluation after training: no optimizer step follows, weights as trained
         with torch.no_grad():
             x = _batch(rank, STEPS, 0, u)
@@ -118,3 +132,10 @@ class _null:
 ])
 def test_training_steps_match_stock(accumulate, recompute, policies):
     spawn(_worker, 2, policies, accumulate, recompute)
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_grown_placement_matches_stock(recompute):
+    """Replicas added to the resident placement mid-step (at a cost every gain pays) are fetched as
+    a second part of the window, computed, and their gradients returned with the rest: exact."""
+    spawn(_worker, 2, ("ultraep", "lp", "fsep"), True, recompute, True)

@@ -35,7 +35,7 @@ def _worker(rank, world, policy):
     def spy(name, fn):
         def wrapped(*args, **kwargs):
             window = runtime.store.window
-            events.append((name, window is not None and window.fetch is not None))
+            events.append((name, window is not None and bool(window.fetches)))
             return fn(*args, **kwargs)
         return wrapped
 
@@ -60,7 +60,7 @@ def _worker(rank, world, policy):
         slots = [i for i, (n, _) in enumerate(events) if n == "slot"]
         assert all(i > events.index(("owners", first["owners"])) for i in slots), \
             f"{policy}: slots computed before the stock experts: {events}"
-        assert runtime.store.window.fetch is None
+        assert not runtime.store.window.fetches
     new_step()
     assert side_group(runtime.group) is not runtime.group
 

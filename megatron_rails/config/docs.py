@@ -30,6 +30,11 @@ POLICY_DOCS = {
     "rails_tolerance": "comm rails: spray an exchange over all rails only when the rail-matched direct all-to-all "
                        "would load its busiest rail more than 1 + rails_tolerance times the even spread; else "
                        "send it direct (one all-to-all instead of three phases)",
+    "replica_cost_tokens": "within an optimizer step the placement fixed by its first microbatch grows by a "
+                           "replica only when the tokens it takes off the busiest rank over the step's remaining "
+                           "microbatches reach this, its weights' and gradient's network time in tokens of expert "
+                           "compute; 0: derived from the weights' dtype for a 400 Gb/s NIC and a 989 TFLOPS GPU "
+                           "(about 13,000 in bf16), 0..2^40",
     "check_plan": "validate the plan and all-reduce its digest every layer; raise on every rank on a mismatch (debug)",
 }
 TOPOLOGY_DOCS = {

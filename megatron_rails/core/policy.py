@@ -21,7 +21,7 @@ MAX_SLOTS = 1024  # redundant slots per rank; more than any rank can hold expert
                   # that keeps a typo (slots: 99999999999999999999) from reaching the planners' arrays
 # (lowest, highest) of the integer keys; 0 ranks_per_node = the launcher's ranks per node
 INT_RANGES = {"slots": (0, MAX_SLOTS), "ranks_per_node": (0, 1 << 16), "window": (1, 1 << 20),
-              "interval": (1, 1 << 20)}
+              "interval": (1, 1 << 20), "replica_cost_tokens": (0, 1 << 40)}
 
 
 class ConfigError(InputError):
@@ -53,7 +53,11 @@ class PolicyConfig:
     rank is within 1 + tolerance (PlannerConfig).  rails_tolerance: comm rails sprays an exchange
     over all rails only when the rail-matched direct all-to-all would load its busiest rail more
     than 1 + rails_tolerance times the even spread; otherwise it sends it direct.  check_plan: validate the plan and all-reduce its
-    digest every layer, raise on every rank on any invalid or differing plan (debug mode)."""
+    digest every layer, raise on every rank on any invalid or differing plan (debug mode).
+    replica_cost_tokens: within an optimizer step a replica is added to the resident placement only
+    when the tokens it takes off the busiest rank, over the step's remaining microbatches, reach
+    this (0: derived from the weights' dtype for a 400 Gb/s NIC and a 989 TFLOPS GPU,
+    core/planners/step.replica_cost_tokens)."""
 
     policy: str = "fsep"
     slots: int = 1
@@ -65,6 +69,7 @@ class PolicyConfig:
     check_plan: bool = False
     tolerance: float = 0.05
     rails_tolerance: float = 0.05
+    replica_cost_tokens: int = 0
 
     def __post_init__(self):
         from .planners import POLICIES

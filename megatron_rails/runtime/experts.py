@@ -133,9 +133,27 @@ class ExpertStore:
         rank calls it with the same placement). comm: the exchange backend (runtime/comm); the fetch
         runs in the background (exchange_async) until the window's weights are first read, the
         gradients return by comm.exchange."""
-        p = placement
+        self.window = Window(placement, self.key(), bool(placement.is_moved_R.any()))
+        self.window.add_part(*self._fetch(placement, np.ones(placement.num_replicas, dtype=bool), comm))
+        return self.window
+
+    @torch.no_grad()
+    def grow_window(self, placement: Placement, comm) -> Window:
+        """The resident placement grown into `placement` (free slots filled, no resident slot
+        changed): fetch the new replicas only, as one more part of the window (collective)."""
+        w = self.window
+        old = w.placement.slot_expert_DS
+        new_R = old[placement.replica_rank_R, placement.replica_slot_R] < 0
+        w.add_part(*self._fetch(placement, new_R, comm))
+        w.placement = placement
+        w.moved = w.moved or bool((placement.is_moved_R & new_R).any())
+        return w
+
+    def _fetch(self, p: Placement, which_R: np.ndarray, comm) -> tuple:
+        """Start fetching the moved replicas of `p` among which_R (bool over its replicas) from their
+        owners: (Pending of this rank's [n, W] rows, their slots int64 [n], the return route)."""
         D, me = self.num_ranks, self.rank
-        moved = np.flatnonzero(p.is_moved_R)
+        moved = np.flatnonzero(p.is_moved_R & which_R)
         owner = self.owner_E[p.replica_expert_R[moved]]
         dest, slot = p.replica_rank_R[moved], p.replica_slot_R[moved]
         send = moved[owner == me]
@@ -152,18 +170,18 @@ class ExpertStore:
         traffic_DD = np.zeros((D, D), dtype=np.int64)
         np.add.at(traffic_DD, (owner, dest), 1)
         fetch = comm.exchange_async(buf, send_D, recv_D, traffic_DD) if moved.size else Pending.done(buf)
-        self.window = Window(p, self.key(), None, p.replica_slot_R[recv].astype(np.int64), bool(moved.size),
-                             route=dict(exchange=comm.exchange, send_D=send_D, recv_D=recv_D, traffic_DD=traffic_DD,
-                                        send_experts=send_experts), fetch=fetch)
-        return self.window
+        route = dict(exchange=comm.exchange, send_D=send_D, recv_D=recv_D, traffic_DD=traffic_DD,
+                     send_experts=send_experts)
+        return fetch, p.replica_slot_R[recv].astype(np.int64), route
 
     def slot_params(self, placement: Placement) -> tuple[dict[int, dict[str, torch.Tensor]], torch.Tensor | None]:
         """The resident slots' parameters for one microbatch on `placement`: ({slot: {name: tensor}},
         anchor). With gradients on, they come through one ResidentSlots node and the anchor (an empty
         tensor) must join the layer output, so that every rank runs that node in backward; else
-        anchor is None. A replayed plan from an earlier placement without moved slots gets none."""
+        anchor is None. A plan on a placement the window does not serve (Window.serves), or one
+        without moved slots, gets none."""
         w = self.window
-        if w is None or not w.moved or (placement is not w.placement and placement.digest() != w.placement.digest()):
+        if w is None or not w.moved or not w.serves(placement):
             return {}, None
         sources = self.sources()
         if torch.is_grad_enabled() and any(t.requires_grad for t in sources):
@@ -175,13 +193,21 @@ class ExpertStore:
         return {int(s): {n: t.view(shape) for n, t, shape in zip(self.names, pieces[i * k:(i + 1) * k], self.shapes)}
                 for i, s in enumerate(w.slots_N)}, anchor
 
-    def _return_grads(self, window: Window) -> torch.Tensor:
-        """The reverse of the window's fetch: every slot's accumulated gradient goes to the rank it
-        came from. Returns what this rank receives; the window owes nothing afterwards."""
-        r = window.route
-        acc = window.acc_NW if window.acc_NW is not None else \
-            window.weights().new_zeros(window.weights().shape, dtype=self.acc_dtype)
-        back = r["exchange"](acc, r["recv_D"], r["send_D"], np.ascontiguousarray(r["traffic_DD"].T))
+    def _acc(self, window: Window) -> torch.Tensor:
+        """The window's accumulated slot gradients [N, W'] (zeros when no backward reached it)."""
+        if window.acc_NW is not None:
+            return window.acc_NW
+        return window.weights().new_zeros(window.weights().shape, dtype=self.acc_dtype)
+
+    def _return_grads(self, window: Window) -> list[torch.Tensor]:
+        """The reverse of the window's fetches, part by part: every slot's accumulated gradient goes
+        to the rank it came from. Returns, per part, what this rank receives; the window owes
+        nothing afterwards."""
+        acc, start, back = self._acc(window), 0, []
+        for r, n in window.routes:
+            back.append(r["exchange"](acc[start:start + n], r["recv_D"], r["send_D"],
+                                      np.ascontiguousarray(r["traffic_DD"].T)))
+            start += n
         window.acc_NW, window.pending = None, False
         return back
 
@@ -190,9 +216,10 @@ class ExpertStore:
         """Return the window's slot gradients to the owners (collective). Each owner adds what it
         receives into its parameters' `main_grad` where the framework keeps one; otherwise, in a
         backward pass (in_graph), into the gradients returned here for sources(), else into `.grad`."""
-        back_NW = self._return_grads(window)
         grads: dict[str, torch.Tensor] = {}
-        for row, e in zip(back_NW, window.route["send_experts"]):
+        rows = [(row, e) for back_NW, (r, _) in zip(self._return_grads(window), window.routes)
+                for row, e in zip(back_NW, r["send_experts"])]
+        for row, e in rows:
             for (name, view), piece in zip(self.kind.slices(int(e) - self.first_local), torch.split(row, self.numels)):
                 p = self.params[name]
                 if not p.requires_grad:
@@ -381,9 +408,14 @@ class ShardedExpertStore(ExpertStore):
         """Start materializing every slot of `placement` from every rank's shards, once (collective;
         in the background, as ExpertStore.open_window)."""
         self.release_stock()  # memory a checkpoint or a framework's cast gave them back
-        p = placement
+        return super().open_window(placement, comm)
+
+    def _fetch(self, p: Placement, which_R: np.ndarray, comm) -> tuple:
+        """Start gathering the slots of `p` among which_R from every rank's shards: (Pending of this
+        rank's [n, D * shard] rows, their slots int64 [n], the return route)."""
         D, me = self.num_ranks, self.rank
         order = np.lexsort((p.replica_slot_R, p.replica_rank_R))  # every slot, by (rank, slot)
+        order = order[which_R[order]]
         dest, experts = p.replica_rank_R[order], p.replica_expert_R[order]
         mine = dest == me
         n_mine = int(mine.sum())
@@ -397,21 +429,22 @@ class ShardedExpertStore(ExpertStore):
         # [D * n_mine, shard] by source rank, then every slot's D shards in a row
         fetch = comm.exchange_async(buf, n_send.tolist(), [n_mine] * D, traffic_DD).map(
             lambda got: _slot_major(got, D, n_mine))
-        self.window = Window(p, self.key(), None, p.replica_slot_R[order][mine].astype(np.int64), bool(order.size),
-                             route=dict(exchange=comm.exchange, idx=idx, n_send=n_send.tolist(), n_mine=n_mine,
-                                        traffic_DD=traffic_DD), fetch=fetch)
-        return self.window
+        route = dict(exchange=comm.exchange, idx=idx, n_send=n_send.tolist(), n_mine=n_mine, traffic_DD=traffic_DD)
+        return fetch, p.replica_slot_R[order][mine].astype(np.int64), route
 
     def _return_grads(self, window: Window) -> torch.Tensor:
-        """Every slot's accumulated gradient, cut into D shards, back to the shard holders:
-        float [E, ceil(W/D)], this rank's shards' gradients."""
-        r, D = window.route, self.num_ranks
-        acc = window.acc_NW if window.acc_NW is not None else \
-            window.weights().new_zeros(window.weights().shape, dtype=self.acc_dtype)
-        back = r["exchange"](_rank_major(acc, D), [r["n_mine"]] * D, r["n_send"],
-                             np.ascontiguousarray(r["traffic_DD"].T))
+        """Every slot's accumulated gradient, cut into D shards, back to the shard holders, part by
+        part: float [E, ceil(W/D)], this rank's shards' gradients."""
+        D, acc, start = self.num_ranks, self._acc(window), 0
+        total = None
+        for r, n in window.routes:
+            back = r["exchange"](_rank_major(acc[start:start + n], D), [r["n_mine"]] * D, r["n_send"],
+                                 np.ascontiguousarray(r["traffic_DD"].T))
+            start += n
+            grad = back.view(self.shards.shape) if r["idx"] is None else r["idx"].scatter(back)
+            total = grad if total is None else total.add_(grad)
         window.acc_NW, window.pending = None, False
-        return back.view(self.shards.shape) if r["idx"] is None else r["idx"].scatter(back)
+        return total
 
     @torch.no_grad()
     def flush(self, window: Window, in_graph: bool) -> list:

@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 from ..core.plan import SHARDED, Plan, PlanError, imbalance, stock_load_D
 from ..core.planners import make_planner
-from ..core.planners.step import choose, route_on
+from ..core.planners.step import choose, grow, replica_cost_tokens, route_on
 from ..core.policy import PolicyConfig
 from .comm import all_gather_counts, collective_device, make_comm
 from .expert_kind import ExpertKind
@@ -51,6 +51,7 @@ from .local import SendOrder, order_pairs, receive_order, rows, sum_pairs
 METRICS_KEPT = 10_000  # per-layer metric records kept (one per microbatch step)
 RECENT_PLANS = 16  # plans kept for replays (activation recompute of in-flight microbatches)
 BALANCE_WARN = 0.05  # a balancing policy above 1 + this max/mean tokens per rank is reported
+GROWN = "grown"  # _plan's answer when the resident placement grows by replicas in free slots
 
 _replay = threading.local()
 # the autograd engine's current graph task (-1 outside a backward pass); torch.utils.checkpoint
@@ -115,6 +116,7 @@ class LayerRuntime:
         self._recent: OrderedDict = OrderedDict()  # counts digest -> plan, the latest RECENT_PLANS
         self.plan: Optional[Plan] = None
         self.sent: Optional[SendOrder] = None
+        self._step_forwards = 0  # training forwards (microbatches) of the latest finished step
 
     def attach(self, kind: ExpertKind, before_read=None) -> None:
         """Take over the experts `kind` describes (the adapter of runtime/expert_kind.py);
@@ -139,22 +141,33 @@ class LayerRuntime:
         self.store.refresh()
         plan, opened = self._plan(counts_DE, replay)
         t2 = time.perf_counter()
-        if opened:  # a new window of resident slots: fetch their weights (collective)
+        fetched = 0  # replicas whose weights this microbatch fetches
+        if opened == GROWN:  # more replicas in free slots of the resident placement (collective)
+            fetched = int(plan.placement.is_moved_R.sum() - self.store.window.placement.is_moved_R.sum())
+            self.store.grow_window(plan.placement, self.comm)
+        elif opened:  # a new window of resident slots: fetch their weights (collective)
+            if self.store.window is not None:
+                self._step_forwards = self.store.window.forwards or self._step_forwards
             self.store.drop_window()
             self.store.open_window(plan.placement, self.comm)
+            fetched = int(plan.placement.is_moved_R.sum())
         window = self.store.window
         if not replay and window.moved and (training if training is not None else torch.is_grad_enabled()):
             window.in_flight += 1  # its backward (ResidentSlots') counts it off
+            window.forwards += 1
         self.plan = plan
         self.sent = order_pairs(plan, self.rank, routing_map, probs)
-        record = None if replay else self._record(plan, counts_DE, (t1 - t0) * 1e6, (t2 - t1) * 1e6, x_TH, opened)
+        record = None if replay else self._record(plan, counts_DE, (t1 - t0) * 1e6, (t2 - t1) * 1e6, x_TH, opened,
+                                                  fetched)
         return x_TH[self.sent.token_P], self.sent.probs_P, record
 
-    def _plan(self, counts_DE: np.ndarray, replay: bool) -> tuple[Plan, bool]:
-        """The plan for these counts, and whether it opened a new window of resident slots."""
+    def _plan(self, counts_DE: np.ndarray, replay: bool) -> tuple[Plan, object]:
+        """The plan for these counts, and whether it opens a new window of resident slots (True),
+        grows the resident one (GROWN) or runs on it (False)."""
         key = hashlib.blake2b(counts_DE.tobytes(), digest_size=16).digest()
         store = self.store
         if store.stale():  # the weights changed (an optimizer step): a new step begins
+            self._step_forwards = store.window.forwards or self._step_forwards
             store.drop_window()
             self._recent.clear()
         window = store.window
@@ -169,20 +182,35 @@ class LayerRuntime:
             plan, opened = choose(fresh, resident, counts_DE, locked=True)
         elif window is not None and window.locked and self.state is None:
             # the placement stays for this step and a stateless planner has nothing to learn from
-            # these counts: route them on it, skip planning afresh
+            # these counts: route them on it; plan afresh only to look for replicas worth adding
             plan, opened = route_on(resident, counts_DE, self.planner.name), False
+            if imbalance(plan.load_D) > 1 + BALANCE_WARN:
+                plan, opened = self._grow(self.planner.plan(counts_DE, self.state)[0], plan, counts_DE)
         else:
             fresh, self.state = self.planner.plan(counts_DE, self.state)
-            plan, opened = choose(fresh, resident, counts_DE, locked=window is not None and window.locked)
+            locked = window is not None and window.locked
+            plan, opened = choose(fresh, resident, counts_DE, locked=locked)
+            if locked and imbalance(plan.load_D) > 1 + BALANCE_WARN:
+                plan, opened = self._grow(fresh, plan, counts_DE)
         if self.policy.check_plan:
             self._check_plan(plan)
-        if opened:
+        if opened is True:  # a new window: no plan of an earlier one is replayed on it
             self._recent.clear()
         self._recent[key] = plan  # only plans that passed the check are replayed
         self._recent.move_to_end(key)
         if len(self._recent) > RECENT_PLANS:
             self._recent.popitem(last=False)
         return plan, opened
+
+    def _grow(self, fresh: Plan, on: Plan, counts_DE: np.ndarray) -> tuple[Plan, object]:
+        """`on` (the plan on the resident placement), or the plan on it grown by `fresh`'s missing
+        replicas where that pays for their weight bytes over the step's remaining microbatches
+        (core/planners/step.grow; the previous step's microbatch count is the estimate)."""
+        window = self.store.window
+        remaining = max(1, self._step_forwards - window.forwards)
+        cost = self.policy.replica_cost_tokens or replica_cost_tokens(self.store.param_bytes // self.store.flat_size)
+        grown = grow(window.placement, fresh, on, counts_DE, remaining, cost)
+        return (on, False) if grown is None else (grown, GROWN)
 
     # -- 2. exchange ------------------------------------------------------------------------------
     def exchange_tokens(self, x_P: torch.Tensor, probs_P: torch.Tensor):
@@ -267,7 +295,7 @@ class LayerRuntime:
                                     f"token counts or planner state diverged")
 
     def _record(self, plan: Plan, counts_DE: np.ndarray, gather_us: float, plan_us: float, x_TH,
-                opened: bool) -> dict:
+                opened, fetched: int) -> dict:
         token_bytes = x_TH.element_size() * x_TH.shape[-1]
         send = plan.send_DD
         off_diag = int(send.sum() - np.trace(send))
@@ -293,9 +321,10 @@ class LayerRuntime:
             "replicas_used": int(plan.weight_moves),
             "token_bytes_sent": off_diag * token_bytes,
             # weights move when a window of resident slots opens (once per optimizer step), not per microbatch
-            "weight_bytes_sent": plan.placement.move_bytes(expert_bytes) if opened else 0,
+            "weight_bytes_sent": plan.placement.move_bytes(expert_bytes, fetched),
             "weight_bytes_if_fetched": plan.weight_bytes(expert_bytes),  # per-microbatch movement would send
-            "slots_fetched": opened,
+            "slots_fetched": bool(opened),
+            "slots_added": fetched if opened == GROWN else 0,  # replicas the resident placement grew by
             "resident_slots": int(plan.placement.is_moved_R.sum()),
             "plan_us": plan_us,
             "count_gather_us": gather_us,

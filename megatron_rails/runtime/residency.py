@@ -94,36 +94,56 @@ def register(store) -> None:
 @dataclass(eq=False)
 class Window:
     """The slots resident on this rank for one optimizer step (or, without training, until a better
-    placement replaces them).
+    placement replaces them). Its rows come in parts, one per fetch: the step's first microbatch
+    opens the window, a later one may grow it by replicas in free slots (never moving a resident one).
 
     placement: the resident placement (the same on every rank).
     key:       (epoch, source parameter versions) when fetched; a different key means stale.
-    weights_NW: float [N, W'] this rank's slots' flat weights (W' >= W: FSEP pads to D shards), detached;
-               None while `fetch` (the exchange bringing them, a comm Pending) runs: read weights().
-    slots_N:   int64 [N] the slot index of each row.
     moved:     whether any rank holds a moved slot (else there is nothing to fetch or return).
-    route:     what the store needs to return gradients (its fetch exchange's split sizes).
-    acc_NW:    the slots' accumulated weight gradients (allocated by the first backward).
+    weights_NW: float [N, W'] this rank's slots' flat weights (W' >= W: FSEP pads to D shards), detached;
+               the rows of fetches still running are missing until weights() waits for them.
+    slots_N:   int64 [N] the slot index of each row, every part's (known before its weights arrive).
+    routes:    per part, in row order: (what the store needs to return its gradients, its rows).
+    fetches:   the parts' fetches not waited for yet (comm Pendings), in row order.
+    acc_NW:    the slots' accumulated weight gradients [N, W'] (allocated by the first backward).
     pending:   gradients accumulated and not yet returned (identical on every rank).
     in_flight: training forwards on these slots whose backward has not run yet.
+    forwards:  training forwards on this window so far.
     """
 
     placement: Placement
     key: tuple
-    weights_NW: torch.Tensor
-    slots_N: np.ndarray
     moved: bool
-    route: dict = field(default_factory=dict)
+    weights_NW: Optional[torch.Tensor] = None
+    slots_N: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    routes: list = field(default_factory=list)
+    fetches: list = field(default_factory=list)
     acc_NW: Optional[torch.Tensor] = None
     pending: bool = False
     in_flight: int = 0
-    fetch: object = None
+    forwards: int = 0
+
+    def add_part(self, fetch, slots_N: np.ndarray, route: dict) -> None:
+        """Append the rows of one fetch (a Pending of [n, W'] rows for slots_N, int64 [n])."""
+        n = int(len(slots_N))
+        self.slots_N = np.concatenate([self.slots_N, np.asarray(slots_N, dtype=np.int64)])
+        self.routes.append((route, n))
+        self.fetches.append(fetch)
+        if self.acc_NW is not None and n:
+            self.acc_NW = torch.cat([self.acc_NW, self.acc_NW.new_zeros((n, self.acc_NW.shape[1]))])
+
+    @property
+    def n_rows(self) -> int:
+        return int(len(self.slots_N))
 
     def weights(self) -> torch.Tensor:
-        """weights_NW, waiting for the fetch the first time (the exchange runs in the background
-        from the plan until the slots are first computed)."""
-        if self.fetch is not None:
-            self.weights_NW, self.fetch = self.fetch.wait(), None
+        """weights_NW with every part, waiting for the fetches still running (they run in the
+        background from the plan until the slots are first computed)."""
+        if self.fetches:
+            got = [f.wait() for f in self.fetches]
+            self.fetches = []
+            parts = ([self.weights_NW] if self.weights_NW is not None else []) + got
+            self.weights_NW = parts[0] if len(parts) == 1 else torch.cat(parts)
         return self.weights_NW
 
     @property
@@ -131,6 +151,18 @@ class Window:
         """Whether the placement must stay: gradients are owed on its moved slots, or will be by a
         forward still in flight (a recompute replays its plan, on these weights)."""
         return self.moved and (self.pending or self.in_flight > 0)
+
+    def serves(self, placement: Placement) -> bool:
+        """Whether every slot `placement` fills holds the same expert here (the resident placement,
+        or one it grew from): a plan on it can compute with these weights."""
+        here = self.placement
+        if placement is here:
+            return True
+        if (placement.layout != here.layout or placement.owner_slots != here.owner_slots
+                or placement.slot_expert_DS.shape != here.slot_expert_DS.shape):
+            return False
+        se, we = placement.slot_expert_DS, here.slot_expert_DS
+        return bool(np.all((se < 0) | (se == we)))
 
     def row_of_slot(self) -> dict[int, int]:
         return {int(s): i for i, s in enumerate(self.slots_N)}
@@ -152,7 +184,8 @@ class ResidentSlots(torch.autograd.Function):
         numels = store.numels
         W = sum(numels)
         weights_NW = window.weights()
-        pieces = [t for i in range(weights_NW.shape[0]) for t in torch.split(weights_NW[i, :W], numels)]
+        ctx.rows = weights_NW.shape[0]  # the window may grow before this backward runs
+        pieces = [t for i in range(ctx.rows) for t in torch.split(weights_NW[i, :W], numels)]
         return (weights_NW.new_empty(0), *pieces)
 
     @staticmethod
@@ -161,12 +194,12 @@ class ResidentSlots(torch.autograd.Function):
         window.in_flight = max(0, window.in_flight - 1)
         k = len(store.numels)
         W = sum(store.numels)
-        for i in range(window.weights_NW.shape[0]):
+        for i in range(ctx.rows):
             row = grads[i * k:(i + 1) * k]
             if all(g is None for g in row):
                 continue
-            if window.acc_NW is None:
-                window.acc_NW = torch.zeros_like(window.weights_NW)
+            if window.acc_NW is None:  # every row of the window, those of parts still arriving too
+                window.acc_NW = window.weights_NW.new_zeros((window.n_rows, window.weights_NW.shape[1]))
             for g, piece in zip(row, torch.split(window.acc_NW[i, :W], store.numels)):
                 if g is not None:
                     piece.add_(g.reshape(-1))

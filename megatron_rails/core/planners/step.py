@@ -58,3 +58,48 @@ def choose(fresh: Plan, resident: Placement | None, counts_DE: np.ndarray, locke
     if int(fresh.load_D.max(initial=0)) < int(on.load_D.max(initial=0)) - gain * mean:
         return fresh, True
     return on, False
+
+
+def added_to(resident: Placement, fresh: Placement) -> Placement | None:
+    """`resident` plus those of `fresh`'s replicas it lacks, each put in a free slot of the same
+    rank (a rank never hosts an expert twice): the placement a step can grow into without moving
+    any resident slot. None when nothing fits or nothing is missing, or the layouts differ."""
+    if (fresh.layout != resident.layout or fresh.owner_slots != resident.owner_slots
+            or fresh.slot_expert_DS.shape != resident.slot_expert_DS.shape):
+        return None
+    se_DS = resident.slot_expert_DS.copy()
+    added = 0
+    for d in range(se_DS.shape[0]):
+        have = set(se_DS[d][se_DS[d] >= 0].tolist())
+        free = np.flatnonzero(se_DS[d] < 0).tolist()
+        for e in fresh.slot_expert_DS[d].tolist():
+            if e >= 0 and e not in have and free:
+                se_DS[d, free.pop(0)] = e
+                have.add(e)
+                added += 1
+    if not added:
+        return None
+    return Placement(se_DS, resident.num_experts, resident.ranks_per_node, resident.layout, resident.owner_slots)
+
+
+def grow(resident: Placement, fresh: Plan, on: Plan, counts_DE: np.ndarray, remaining: int,
+         cost_tokens: float) -> Plan | None:
+    """The plan on `resident` grown by `fresh`'s missing replicas (added_to), when what they take off
+    the busiest rank over the step's `remaining` microbatches (tokens) pays for moving them: each
+    new replica costs `cost_tokens`, the expert compute its weight bytes and returned gradient take
+    on the network. `on`: the plan on `resident` alone. None when not worth it."""
+    grown = added_to(resident, fresh.placement)
+    if grown is None:
+        return None
+    plan = route_on(grown, counts_DE, fresh.policy, fresh.info)
+    new = int(grown.is_moved_R.sum() - resident.is_moved_R.sum())
+    saved = (int(on.load_D.max(initial=0)) - int(plan.load_D.max(initial=0))) * max(1, int(remaining))
+    return plan if saved > 0 and saved >= new * cost_tokens else None
+
+
+def replica_cost_tokens(bytes_per_param: int, nic_gbps: float = 400.0, gpu_tflops: float = 989.0) -> float:
+    """Tokens of expert compute (forward and backward: 6 flops per parameter and token) that take as
+    long as moving an expert's weights once and its gradient back (2 x bytes_per_param per parameter
+    over one NIC): what one added replica must save, whatever the expert's size. Defaults: a 400 Gb/s
+    NIC and 989 dense TFLOPS (core/topology.py's)."""
+    return 2.0 * bytes_per_param / (nic_gbps * 1e9 / 8) / (6.0 / (gpu_tflops * 1e12))
