@@ -136,6 +136,7 @@ def plot_planners(result: dict, png: str) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker  # noqa: F401  (matplotlib.ticker below)
 
     rows = [r for r in result["rows"] if "error" not in r]
     if not rows:
@@ -156,9 +157,15 @@ def plot_planners(result: dict, png: str) -> None:
     ax1.plot(x, bound, "k_", markersize=30, mew=2, label="LP bound (owner + S redundant slots)")
     ax1.set_xticks(x, skews)
     ax1.set_yscale("log")
+    # plain numbers on the log axis (not 6x10^0); minor ticks unlabelled
+    top = np.nanmax([r["max_over_mean_after"] for r in sel] + [1.0])
+    ticks = [t for t in (1, 1.25, 1.5, 2, 3, 4, 6, 8, 12, 16, 24, 32) if t <= top * 1.05]
+    ax1.set_yticks(ticks, [f"{t:g}" for t in ticks])
+    ax1.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    ax1.set_ylim(top=top * 2.2)  # headroom for the legend above the tallest bar
     ax1.set_ylabel("max / mean tokens per rank")
     ax1.set_title(f"balance after planning, EP{D0} E{E0} S{S0}")
-    ax1.legend(fontsize=8)
+    ax1.legend(fontsize=8, loc="upper left", ncol=2)  # above the uniform column, clear of the bars
     for pol in POLICIES:
         pts = sorted({(r["ranks"], r["plan_us_p50"]) for r in rows
                       if r["policy"] == pol and r["experts"] == E0 and r["slots"] == S0
@@ -167,8 +174,13 @@ def plot_planners(result: dict, png: str) -> None:
             ax2.plot(*zip(*pts), marker="o", label=pol)
     ax2.axhline(100, color="grey", ls=":", lw=1)
     ax2.axhline(5000, color="grey", ls=":", lw=1)
+    for y, text in ((100, "100 us"), (5000, "5 ms")):  # the latency lines docs/benchmarks.md names
+        ax2.annotate(text, (0.01, y), xycoords=("axes fraction", "data"), va="bottom", fontsize=8, color="grey")
     ax2.set_xscale("log", base=2)
     ax2.set_yscale("log")
+    ranks = sorted({r["ranks"] for r in rows})
+    ax2.set_xticks(ranks, [str(d) for d in ranks])  # 8, 32, 64 ... rather than 2^3, 2^5, 2^6
+    ax2.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     ax2.set_xlabel("expert-parallel ranks")
     ax2.set_ylabel("plan latency p50 (us, one core)")
     ax2.set_title(f"planner latency, E{E0} S{S0} {skews[-1]}")
