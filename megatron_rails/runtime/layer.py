@@ -146,9 +146,7 @@ class LayerRuntime:
             fetched = int(plan.placement.is_moved_R.sum() - self.store.window.placement.is_moved_R.sum())
             self.store.grow_window(plan.placement, self.comm)
         elif opened:  # a new window of resident slots: fetch their weights (collective)
-            if self.store.window is not None:
-                self._step_forwards = self.store.window.forwards or self._step_forwards
-            self.store.drop_window()
+            self._end_window()
             self.store.open_window(plan.placement, self.comm)
             fetched = int(plan.placement.is_moved_R.sum())
         window = self.store.window
@@ -167,8 +165,7 @@ class LayerRuntime:
         key = hashlib.blake2b(counts_DE.tobytes(), digest_size=16).digest()
         store = self.store
         if store.stale():  # the weights changed (an optimizer step): a new step begins
-            self._step_forwards = store.window.forwards or self._step_forwards
-            store.drop_window()
+            self._end_window()
             self._recent.clear()
         window = store.window
         resident = window.placement if window is not None else None
@@ -183,15 +180,13 @@ class LayerRuntime:
         elif window is not None and window.locked and self.state is None:
             # the placement stays for this step and a stateless planner has nothing to learn from
             # these counts: route them on it; plan afresh only to look for replicas worth adding
-            plan, opened = route_on(resident, counts_DE, self.planner.name), False
-            if imbalance(plan.load_D) > 1 + BALANCE_WARN:
-                plan, opened = self._grow(self.planner.plan(counts_DE, self.state)[0], plan, counts_DE)
+            plan, opened = self._grow(route_on(resident, counts_DE, self.planner.name), counts_DE)
         else:
             fresh, self.state = self.planner.plan(counts_DE, self.state)
             locked = window is not None and window.locked
             plan, opened = choose(fresh, resident, counts_DE, locked=locked)
-            if locked and imbalance(plan.load_D) > 1 + BALANCE_WARN:
-                plan, opened = self._grow(fresh, plan, counts_DE)
+            if locked:
+                plan, opened = self._grow(plan, counts_DE, fresh)
         if self.policy.check_plan:
             self._check_plan(plan)
         if opened is True:  # a new window: no plan of an earlier one is replayed on it
@@ -202,13 +197,30 @@ class LayerRuntime:
             self._recent.popitem(last=False)
         return plan, opened
 
-    def _grow(self, fresh: Plan, on: Plan, counts_DE: np.ndarray) -> tuple[Plan, object]:
-        """`on` (the plan on the resident placement), or the plan on it grown by `fresh`'s missing
-        replicas where that pays for their weight bytes over the step's remaining microbatches
-        (core/planners/step.grow; the previous step's microbatch count is the estimate)."""
+    def _end_window(self) -> None:
+        """Drop the resident window, remembering how many microbatches its step trained."""
         window = self.store.window
+        if window is not None and window.forwards:
+            self._step_forwards = window.forwards
+        self.store.drop_window()
+
+    def _grow(self, on: Plan, counts_DE: np.ndarray, fresh: Optional[Plan] = None) -> tuple[Plan, object]:
+        """`on` (the plan on the resident placement), or the plan on it grown by the replicas of the
+        planner's fresh plan (planned here, statelessly, when not given) missing from it, where that
+        pays for their weight bytes over the step's remaining microbatches (core/planners/step.grow;
+        the previous step's microbatch count is the estimate). Runs every locked microbatch, so it
+        plans afresh only when a replica could pay: the route is unbalanced, a slot is free, and the
+        most it could save (down to the mean) reaches one replica's cost."""
+        window = self.store.window
+        load_D = on.load_D
         remaining = max(1, self._step_forwards - window.forwards)
         cost = self.policy.replica_cost_tokens or replica_cost_tokens(self.store.param_bytes // self.store.flat_size)
+        most = (int(load_D.max(initial=0)) - int(np.ceil(load_D.mean()))) * remaining
+        if (imbalance(load_D) <= 1 + BALANCE_WARN or most <= 0 or most < cost
+                or not (window.placement.slot_expert_DS < 0).any()):
+            return on, False
+        if fresh is None:
+            fresh, _ = self.planner.plan(counts_DE, self.state)
         grown = grow(window.placement, fresh, on, counts_DE, remaining, cost)
         return (on, False) if grown is None else (grown, GROWN)
 
