@@ -58,7 +58,8 @@ def moe_config(world: int, dispatcher: str, experts: int = 8, topk: int = 2, hid
         moe_token_dispatcher_type=dispatcher, ffn_hidden_size=ffn, moe_ffn_hidden_size=ffn, add_bias_linear=False,
         expert_model_parallel_size=world, use_cpu_initialization=True, moe_aux_loss_coeff=0.0,
         gated_linear_unit=True, activation_func=torch.nn.functional.silu, bias_activation_fusion=False,
-        moe_router_load_balancing_type="none", init_method_std=0.2)
+        moe_router_load_balancing_type="none", init_method_std=0.2,
+        moe_router_pre_softmax=topk == 1)  # Megatron requires it at top-1 (the prob would be 1)
 
 
 def build_moe_layer(cfg):

@@ -213,3 +213,101 @@ def test_bench_choices_match_the_benchmark():
     from megatron_rails.cli.main import BENCH_DTYPES, BENCH_SHAPES
 
     assert set(BENCH_SHAPES) == set(SHAPES) and set(BENCH_DTYPES) == set(DTYPES)
+
+
+# -- issue #16: --help of every command --------------------------------------------------------------------------
+
+def _every_action():
+    """(command words, parser, action) of every argument of every command and sub-command."""
+    import argparse
+
+    from megatron_rails.cli import build_parser
+
+    def walk(parser, path):
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    yield from walk(sub, path + (name,))
+            elif not isinstance(action, (argparse._HelpAction, argparse._VersionAction)):
+                yield path, parser, action
+
+    return list(walk(build_parser(), ()))
+
+
+def test_every_option_has_help_saying_its_default():
+    """Every argument has a help text; every option that takes a value and may be left out says what
+    happens then ("default: ..."), whether argparse fills it in or the text does."""
+    import argparse
+
+    missing = []
+    for path, parser, action in _every_action():
+        text = parser._get_formatter()._get_help_string(action) if action.help else ""
+        flag = isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction))
+        if not text or (action.option_strings and not action.required and not flag and "default" not in text):
+            missing.append(f"{' '.join(path)} {'/'.join(action.option_strings) or action.dest}")
+    assert not missing, missing
+
+
+@pytest.mark.parametrize("argv,kinds", [
+    (["simulate", "run"], ("policies", "topologies")),   # balancer=NAME, topology=NAME overrides
+    (["config", "show"], ("policies", "topologies")),    # FILE and the overrides
+    (["config", "validate"], ("policies", "topologies")),
+    (["demo"], ("policies",)),                           # --config
+    (["simulate", "a2a"], ("topologies",)),              # --topology
+])
+def test_help_lists_every_preset_where_one_is_accepted(argv, kinds, capsys):
+    from megatron_rails.core import presets
+
+    with pytest.raises(SystemExit):
+        main([*argv, "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    names = {"policies": presets.names(presets.POLICY_DIR), "topologies": presets.names(presets.TOPOLOGY_DIR)}
+    for kind in kinds:
+        assert ", ".join(names[kind]) in text, (argv, kind)
+
+
+def test_config_show_and_validate_take_preset_names(capsys):
+    rc, out, err = run_cli(["config", "show", "dgx-h100", "--get", "rails_per_node"], capsys)
+    assert rc == 0 and out.strip() == "8", err
+    rc, out, err = run_cli(["config", "show", "ultraep", "slots=3", "--get", "slots"], capsys)
+    assert rc == 0 and out.strip() == "3", err
+    rc, out, _ = run_cli(["config", "validate", "default", "nvl72"], capsys)
+    assert rc == 0 and "OK default (policy: fsep" in out and "OK nvl72 (topology" in out
+    rc, _, err = run_cli(["config", "show", "dgx-z9"], capsys)
+    assert rc == 2 and "no preset has that name" in err and "dgx-a100" in err and "ultraep" in err
+
+
+def test_one_skew_syntax_in_help_and_errors(capsys):
+    """Skews are KIND:PARAMS everywhere (zipf:1.2): the help texts and defaults of every command and the
+    errors of the three commands that read one never spell them another way (zipf 1.2, zipf=1.2...)."""
+    import re
+
+    texts = []
+    for path, parser, action in _every_action():
+        texts.append(parser._get_formatter()._get_help_string(action) or "")
+        texts.append(str(action.default))
+    for argv in (PLAN + ["--skew", "zipf"], ["simulate", "run", MINI, "--skew", "zipf", "--quiet"],
+                 ["simulate", "a2a", "--nodes", "2", "--traffic", "zipf"]):
+        rc, _, err = run_cli(argv, capsys)
+        assert rc == 2 and "zipf:" in err, err
+        texts.append(err)
+    text = " ".join(texts)
+    assert "zipf:S" in text and "zipf:1.2" in text
+    other = re.findall(r"zipf(?!:)[\s=(_-]*(?:\d|[sS]\b)", text)  # zipf 1.2, zipf=1.2, zipf(s), zipf-S ...
+    assert not other, other
+
+
+def test_unknown_presets_and_skews_name_what_is_accepted(capsys):
+    """A bad preset in a run-config override lists the presets; a bad skew inside a2a's plan:POLICY:SKEW
+    traffic lists the skew forms (core/workloads.py SKEW_FORMS, less file:PATH, which a2a refuses)."""
+    from megatron_rails.core import presets
+    from megatron_rails.core.workloads import SKEW_FORMS
+
+    for key, pdir in (("topology", presets.TOPOLOGY_DIR), ("balancer", presets.POLICY_DIR)):
+        rc, _, err = run_cli(["simulate", "run", MINI, f"{key}=nosuch", "--quiet"], capsys)
+        assert rc == 2 and "'nosuch' not found" in err and ", ".join(presets.names(pdir)) in err, err
+    forms = SKEW_FORMS.replace(" | file:PATH", "")
+    assert forms != SKEW_FORMS and forms.startswith("uniform | zipf:S")
+    for bad in ("plan:ultraep:zipf", "plan:ultraep:file:x.npy"):
+        rc, _, err = run_cli(["simulate", "a2a", "--nodes", "2", "--traffic", bad], capsys)
+        assert rc == 2 and f"(SKEW: {forms})" in err and err.count("\n") == 1, err

@@ -94,3 +94,48 @@ def test_demo_report_fits_80_columns(capsys, monkeypatch):
     h = check_fits(out)
     assert h == ["layer", "max/mean stock", "max/mean ultraep", "token MB/step", "weight MB/step", "plan us p50"]
     assert "loss parity" in out and "more weight bytes than token bytes" in out
+
+
+def test_simulate_run_cross_node_fits_80_columns_with_the_dedup_note():
+    """EP8 over two 4-GPU nodes: the footnote gives the inter-node token bytes without and with node
+    dedup, wrapped at 80 columns like the rest."""
+    p = run80("simulate", "run", X7, "topology.gpus_per_node=4", "topology.rails_per_node=4", "parallelism.nodes=8",
+              "balancer.ranks_per_node=0", "--policies", "none,ultraep", "--comm", "direct,rails", "--steps", "1",
+              "--quiet")
+    check_fits(p.stdout)
+    text = " ".join(p.stdout.split())
+    assert "dedup on (priced)" in text and "without -> with dedup: none" in text and "ideal" in text
+    assert "direct and rails rows are the same" not in text
+
+
+def test_simulate_run_plot_legend(tmp_path):
+    """Issue #16: the plot's legend names only what some bar shows (stock EP moves no weights), the
+    parts from the top of the stack down, the comms' bar styles, and the force-balanced ideal as a
+    labelled line with its value (one line for comms whose ideal is the same)."""
+    from megatron_rails.config.run import load_run_config
+    from megatron_rails.sim.model import Setup, SimOptions
+    from megatron_rails.sim.report import plot
+    from megatron_rails.sim.run import Workload, simulate_run
+
+    setup = Setup.from_run_config(load_run_config(X7))
+    res = simulate_run(setup, SimOptions(), "none", "direct,rails", 1, Workload(setup))
+    labels = plot(res, str(tmp_path / "none.png"))
+    assert labels[:5] == ["bubble", "planner", "token a2a", "experts", "dense"]  # no "weights": none moves none
+    assert "comm direct" in labels and "comm rails" in labels
+    ideal = [t for t in labels if t.startswith("force-balanced ideal")]
+    assert len(ideal) == 1 and "(direct, rails)" in ideal[0] and ideal[0].endswith(" ms")
+    res = simulate_run(setup, SimOptions(), "none,fsep", "direct", 1, Workload(setup))
+    labels = plot(res, str(tmp_path / "fsep.png"))
+    assert "weights" in labels and not any(t.startswith("comm ") for t in labels)
+    assert (tmp_path / "fsep.png").stat().st_size > 10_000
+
+
+def test_simulate_run_progress_lines_fit_80_columns():
+    """stderr too: the opening line (config, layout, workload, dedup) wraps at the terminal's width."""
+    p = run80("simulate", "run", X7, "topology.gpus_per_node=4", "topology.rails_per_node=4", "parallelism.nodes=8",
+              "balancer.ranks_per_node=0", "--policies", "none", "--comm", "direct", "--steps", "1")
+    lines = p.stderr.splitlines()
+    assert lines and all(len(ln) <= 80 for ln in lines), lines
+    head = " ".join(" ".join(lines[:-1]).split())  # the opening line, unwrapped; then the step line
+    assert head.startswith("simulate run: ") and "EP8 on 2 node(s)" in head and head.endswith("dedup on"), head
+    assert lines[-1].startswith("simulate run: step 1/1")

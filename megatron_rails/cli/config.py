@@ -15,6 +15,38 @@ import sys
 from .args import out_file
 
 
+def preset_list() -> str:
+    """'policies: default, eplb, ...; topologies: cpu-2x2, ...': every shipped preset, for help texts."""
+    from ..core import presets
+
+    return (f"policies: {', '.join(presets.names(presets.POLICY_DIR))}; "
+            f"topologies: {', '.join(presets.names(presets.TOPOLOGY_DIR))}")
+
+
+def override_help(example: str) -> str:
+    """Help of run-config KEY=VALUE overrides; `balancer=` and `topology=` take a preset name or a file."""
+    return (f"run-config overrides KEY=VALUE, e.g. {example}; balancer=NAME and topology=NAME take a preset "
+            f"({preset_list()}) or a YAML path")
+
+
+def resolve_file(path: str) -> str:
+    """`path`, or the shipped preset file of that name (a policy or topology preset given without a
+    suffix where no such file exists), so `config show dgx-h100` works as `topology: dgx-h100` does."""
+    from pathlib import Path
+
+    from ..core import presets
+
+    if Path(path).suffix or Path(path).exists():
+        return path
+    for d in (presets.POLICY_DIR, presets.TOPOLOGY_DIR):
+        found = presets.find(d, path)
+        if found is not None:
+            return str(found)
+    from ..core.policy import ConfigError
+
+    raise ConfigError(f"{path}: file not found, and no preset has that name ({preset_list()})")
+
+
 def _as_dict(obj) -> dict:
     return obj.to_dict() if hasattr(obj, "to_dict") else dataclasses.asdict(obj)
 
@@ -43,7 +75,7 @@ def cmd_validate(args) -> int:
     failed = 0
     for path in args.files:
         try:
-            obj = load_any(path)
+            obj = load_any(resolve_file(path))
         except ConfigError as err:
             failed += 1
             for line in getattr(err, "errors", None) or str(err).splitlines():
@@ -71,7 +103,7 @@ def cmd_show(args) -> int:
 
     from ..config.run import load_any
 
-    obj = load_any(args.file, args.overrides)
+    obj = load_any(resolve_file(args.file), args.overrides)
     data = _as_dict(obj)
     if args.megatron_args:
         if _kind(obj) != "run":
@@ -106,17 +138,22 @@ def cmd_docs(args) -> int:
 def register(sub) -> None:
     """Add the `config` command to the top-level subparsers."""
     c = sub.add_parser("config", help="validate, show or document run/policy/topology YAML configs")
-    csub = c.add_subparsers(dest="config_command", required=True)
+    csub = c.add_subparsers(dest="config_command", required=True, metavar="ACTION")
     v = csub.add_parser("validate", help="check files; prints OK per file, or every error naming file and key "
                                          "(exit 1 if any file is invalid)")
-    v.add_argument("files", nargs="+", metavar="FILE", help="run, policy or topology YAML files")
+    v.add_argument("files", nargs="+", metavar="FILE",
+                   help=f"run, policy or topology YAML files, or preset names ({preset_list()})")
     v.set_defaults(func=cmd_validate)
     s = csub.add_parser("show", help="print the merged, validated config as YAML")
-    s.add_argument("file", metavar="FILE", help="a run, policy or topology YAML file")
-    s.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="e.g. balancer.policy=ultraep")
-    s.add_argument("--get", action="append", metavar="KEY", help="print only this dotted key (repeatable)")
+    s.add_argument("file", metavar="FILE",
+                   help=f"a run, policy or topology YAML file, or a preset name ({preset_list()})")
+    s.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                   help=override_help("balancer.policy=ultraep") + " (a policy or topology file: its own keys, "
+                        "e.g. slots=2)")
+    s.add_argument("--get", action="append", metavar="KEY",
+                   help="print only this dotted key (repeatable; default: the whole config)")
     s.add_argument("--megatron-args", action="store_true", help="print the Megatron-LM flags of a run config")
     s.set_defaults(func=cmd_show)
     d = csub.add_parser("docs", help="print (or --out) docs/configuration.md, generated from the dataclasses")
-    d.add_argument("--out", type=out_file("--out"), help="write here instead of stdout")
+    d.add_argument("--out", type=out_file("--out"), help="write here instead of stdout (default: stdout)")
     d.set_defaults(func=cmd_docs)

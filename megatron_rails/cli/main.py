@@ -44,7 +44,8 @@ def _add_workload_args(p) -> None:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--skew", default="zipf:1.2", help=f"synthetic routing: {SKEW_FORMS}")
     src.add_argument("--counts", help="a saved counts matrix instead of a generated one: .npy/.json [D,E] (or "
-                                      "[steps,D,E], [steps,layers,D,E]: the first) or a `megatron-rails trace` .npz")
+                                      "[steps,D,E], [steps,layers,D,E]: the first) or a `megatron-rails trace` .npz "
+                                      "(default: none, the --skew workload)")
     p.add_argument("--seed", type=int_range("--seed", 0, MAX_SEED), default=0, help="workload seed")
 
 
@@ -230,7 +231,7 @@ def _add_soak(sub) -> None:
                    help="dispatcher steps compared with stock (0: skip)")
     k.add_argument("--ranks", type=divisor_of("--ranks", DEMO_EXPERTS, "the soak layer's experts"), default=4,
                    help="gloo ranks of the dispatcher soak (= expert-parallel size; divides the 8 experts)")
-    k.add_argument("--out", type=out_file("--out"), help="write the result JSON here")
+    k.add_argument("--out", type=out_file("--out"), help="write the result JSON here (default: not written)")
     k.add_argument("--json", action="store_true", help="print the result as one JSON object")
     k.set_defaults(func=_run_soak)
 

@@ -15,8 +15,11 @@ MAX_WORLD = 2048  # GPUs of one simulated all-to-all: its flow model holds [D, D
 
 
 def register(subparsers) -> None:
+    from ..core.planners import POLICIES
+    from ..core.policy import PolicyConfig
     from ..core.topology import presets
-    from ..sim.traffic import TRAFFIC_FORMS
+    from ..sim.dedup import DEDUP_MODES
+    from ..sim.traffic import DEFAULT_SKEW, SKEW_HERE, TRAFFIC_FORMS
 
     p = subparsers.add_parser(
         "a2a", help="flow-level all-to-all completion of direct (PXN), ecmp and rails on a topology",
@@ -24,7 +27,9 @@ def register(subparsers) -> None:
     p.add_argument("--topology", default="dgx-h100", help=f"preset name ({', '.join(presets())}) or a YAML path")
     p.add_argument("--nodes", type=int_range("--nodes", 1, MAX_WORLD), required=True,
                    help=f"number of nodes (at most {MAX_WORLD} GPUs in all)")
-    p.add_argument("--traffic", default="zipf:1.2", help=TRAFFIC_FORMS)
+    p.add_argument("--traffic", default="zipf:1.2",
+                   help=f"traffic family: {TRAFFIC_FORMS}; SKEW: {SKEW_HERE} ({DEFAULT_SKEW} if left out); "
+                        f"POLICY: {', '.join(POLICIES)} ({PolicyConfig().policy} if left out) (default: %(default)s)")
     p.add_argument("--tokens-per-rank", type=int_range("--tokens-per-rank", 1, 1 << 20), default=4096,
                    help="tokens each rank routes (before top-k)")
     p.add_argument("--hidden", type=int_range("--hidden", 1, 1 << 16), help="hidden size (default: the family's)")
@@ -34,7 +39,13 @@ def register(subparsers) -> None:
     p.add_argument("--slots", type=int_range("--slots", 0, MAX_SLOTS), default=1,
                    help="R for the planner of plan/mixtral/deepseek traffic")
     p.add_argument("--seed", type=int_range("--seed", 0, 2**32 - 1), default=0, help="workload seed")
-    p.add_argument("--json", action="store_true", help="print a JSON list, one object per scheme")
+    p.add_argument("--dedup", choices=DEDUP_MODES, default="off",
+                   help="token dedup across nodes: off = the family's pair traffic (count-level); on = a token-level "
+                        "sample of the family, each token sent once to every remote node holding one of its experts "
+                        "(to the rank with its local index there), then fanned out over NVLink; both = that sample "
+                        "without and with dedup. Any policy (its plan routes each pair); at most 2^26 token-expert "
+                        "pairs (docs/rails.md)")
+    p.add_argument("--json", action="store_true", help="print a JSON list, one object per scheme (and mode)")
     p.add_argument("--wide", action="store_true", help="every column of the table (wider than 80 characters)")
     p.set_defaults(func=cmd_a2a)
 
@@ -78,9 +89,12 @@ def run_a2a(args) -> tuple[dict, list[dict]]:
     if D > MAX_WORLD:
         raise InputError(f"--nodes must be >= 1 and <= {MAX_WORLD // topo.gpus_per_node} on {topo.name} "
                          f"({topo.gpus_per_node} GPUs per node, at most {MAX_WORLD} GPUs), got {args.nodes}")
-    tr = make_traffic(args.traffic, D, topo.gpus_per_node, tokens_per_rank=args.tokens_per_rank,
-                      hidden=args.hidden, dtype_bytes=args.dtype_bytes, experts=args.experts, topk=args.topk,
-                      seed=args.seed, slots=args.slots)
+    shape = dict(tokens_per_rank=args.tokens_per_rank, hidden=args.hidden, dtype_bytes=args.dtype_bytes,
+                 experts=args.experts, topk=args.topk, seed=args.seed, slots=args.slots)
+    mode = getattr(args, "dedup", "off")
+    if mode != "off":
+        return _run_dedup(args, topo, shape, mode)
+    tr = make_traffic(args.traffic, D, topo.gpus_per_node, **shape)
     head = {"topology": topo.name, "nodes": topo.nodes} | tr.describe()
     rows = [head | r.to_dict() for r in simulate(tr.tokens_DD, topo, tr.bytes_per_token)]
     direct = next(r for r in rows if r["scheme"] == "direct")
@@ -89,10 +103,62 @@ def run_a2a(args) -> tuple[dict, list[dict]]:
     return head, rows
 
 
+def _run_dedup(args, topo, shape: dict, mode: str) -> tuple[dict, list[dict]]:
+    """`--dedup on|both`: the token-level sample's rows (sim/dedup.py), end-to-end gains over direct per mode."""
+    from ..sim.dedup import simulate_dedup, token_traffic
+
+    tt = token_traffic(args.traffic, topo.world_size, topo.gpus_per_node, **shape)
+    head = {"topology": topo.name, "nodes": topo.nodes} | tt.describe()
+    rows = [head | r for r in simulate_dedup(tt, topo, modes=("dedup",) if mode == "on" else ("pairs", "dedup"))]
+    for r in rows:
+        direct = next(x for x in rows if x["scheme"] == "direct" and x["mode"] == r["mode"])
+        t_us = r["end_to_end_us"]
+        r["end_to_end_gain_over_direct"] = direct["end_to_end_us"] / t_us - 1 if t_us else 0.0
+    return head, rows
+
+
+def _print_dedup(head: dict, rows: list[dict], wide: bool) -> None:
+    from ..sim.term import console, note, table
+
+    gib = 2**30
+
+    def size(b: int) -> str:
+        return f"{b / gib:.1f} GiB" if b >= gib else f"{b / 2**20:.1f} MiB"
+
+    title = (f"all-to-all on {head['topology']} x {head['nodes']} nodes ({head['ranks']} GPUs), "
+             f"{head['traffic']} token-level sample: inter-node {size(head['inter_node_bytes_pairs'])}, "
+             f"{size(head['inter_node_bytes_dedup'])} with dedup (-{100 * head['dedup_saving']:.1f}%)")
+    both = len({r["mode"] for r in rows}) > 1
+    cols = ["scheme", *(["traffic"] if both else []), *(["inter\nGiB"] if wide else []), "t us", "LB us", "t/LB",
+            *(["phased us", "fan-out\nus", "phased\n+fan us", "LB\n+fan us"] if wide else []), "+fan\nus",
+            "vs\npairs", *(["rail\nmax/mean", "hops"] if wide else []), "bottleneck"]
+    t = table(title, cols, left=("scheme", "traffic", "bottleneck"))
+    for r in rows:
+        t.add_row(r["scheme"], *([r["mode"]] if both else []),
+                  *([f"{r['inter_node_bytes'] / gib:.1f}"] if wide else []),
+                  f"{r['completion_us']:.1f}", f"{r['lower_bound_us']:.1f}", f"{r['ratio_to_lb']:.3f}",
+                  *([f"{r['phased_us']:.1f}", f"{r['fanout_us']:.1f}", f"{r['phased_end_to_end_us']:.1f}",
+                     f"{r['lower_bound_end_to_end_us']:.1f}"] if wide else []),
+                  f"{r['end_to_end_us']:.1f}", f"{100 * r['speedup_over_pairs']:+.1f}%",
+                  *([f"{r['rail_max_over_mean']:.2f}", str(r["hops"])] if wide else []), r["bottleneck"])
+    con = console(t, wide)
+    con.print(t)
+    note(con, ("inter: bytes crossing nodes; " if wide else "")
+              + "t: fluid completion of what crosses first (dedup: each token once per remote node, to the rank "
+              "with its local index there; intra-node pairs as before); LB: its lower bound; +fan: t with the "
+              "dedup fan-out inside the receiving nodes over NVLink (pipelined); vs pairs: +fan against the same "
+              "scheme without dedup"
+              + ("; phased: three store-and-forward phases, +fan: and the fan-out as a fourth (fan-out us alone); "
+                 "LB +fan: the bound of both stages" if wide else " (--wide: phased times, fan-out alone, hops)"))
+
+
 def cmd_a2a(args) -> int:
     head, rows = run_a2a(args)
     if args.json:
         print(json.dumps(rows))
+        return 0
+    if getattr(args, "dedup", "off") != "off":
+        _print_dedup(head, rows, args.wide)
         return 0
     from ..sim.term import console, note, table
 

@@ -5,6 +5,7 @@ import json
 import sys
 
 from .args import int_range, out_file
+from .config import override_help
 from ..core.policy import MAX_SLOTS
 from ..sim.model import A2A_MODELS, OVERLAPS, WEIGHT_SYNCS
 
@@ -13,6 +14,8 @@ MAX_STEPS = 10000  # each step plans every layer with every policy and keeps its
 
 
 def register_run(subparsers) -> None:
+    from ..core.planners import POLICIES
+    from ..core.policy import COMMS
     from ..core.workloads import SKEW_FORMS
 
     p = subparsers.add_parser(
@@ -20,16 +23,19 @@ def register_run(subparsers) -> None:
         description="Simulate training iterations of a run config under each balancing policy and comm scheme: "
                     "expert compute on the busiest rank, token all-to-all, weight movement, measured planner "
                     "time and the dense part, on the config's topology (analytic; see docs/simulator.md).")
-    p.add_argument("config", help="run config YAML, e.g. configs/mixtral/mixtral-8x7b.yaml")
-    p.add_argument("overrides", nargs="*", help="run-config overrides KEY=VALUE right after the config, "
-                   "e.g. topology=dgx-a100 (or anywhere with --set)")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a run-config override (repeatable)")
-    p.add_argument("--policies", default="none,eplb,fsep,ultraep,lp", help="comma-separated policies")
-    p.add_argument("--comm", default="direct,rails", help="comma-separated comm schemes (direct, rails)")
+    p.add_argument("config", metavar="CONFIG", help="run config YAML, e.g. configs/mixtral/mixtral-8x7b.yaml")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                   help=override_help("topology=dgx-a100") + "; right after the config (anywhere with --set)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a run-config override, as KEY=VALUE after the config (repeatable; default: none)")
+    p.add_argument("--policies", default=",".join(POLICIES),
+                   help=f"comma-separated policies ({', '.join(POLICIES)})")
+    p.add_argument("--comm", default=",".join(COMMS), help=f"comma-separated comm schemes ({', '.join(COMMS)})")
     p.add_argument("--steps", type=int_range("--steps", 1, MAX_STEPS), default=5, help="simulated iterations")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--skew", default="zipf:1.2", help=f"synthetic routing: {SKEW_FORMS}")
-    src.add_argument("--trace", help="replay a counts trace (megatron-rails trace .npz, or .npy/.json counts)")
+    src.add_argument("--trace", help="replay a counts trace (megatron-rails trace .npz, or .npy/.json counts) "
+                                     "instead of the --skew workload (default: none)")
     p.add_argument("--trace-tokens", choices=("scale", "raw"), default="scale",
                    help="scale: rescale each trace row to the config's tokens per rank; raw: as recorded")
     p.add_argument("--seed", type=int_range("--seed", 0, 2**32 - 1), default=0, help="workload seed")
@@ -43,9 +49,14 @@ def register_run(subparsers) -> None:
                         "dispatcher does; microbatch: they move every microbatch (no resident slots)")
     p.add_argument("--a2a-model", choices=A2A_MODELS, default="fluid",
                    help="all-to-all time: fluid (pipelined) or phased (store-and-forward per phase)")
+    p.add_argument("--dedup", choices=("on", "off"),
+                   help="on: a token crosses to a remote node once, then fans out over NVLink to the ranks "
+                        "serving its experts there; off: once per token-expert pair (matters only when the EP "
+                        "group spans nodes; default: the config's balancer.dedup, true unless it is set)")
     p.add_argument("--json", action="store_true", help="print one JSON object (setup, options, assumptions, rows)")
     p.add_argument("--wide", action="store_true", help="every column of the table (wider than 80 characters)")
-    p.add_argument("--plot", type=out_file("--plot"), help="write a PNG of stacked bars per policy x comm")
+    p.add_argument("--plot", type=out_file("--plot"), metavar="FILE.png",
+                   help="write a PNG of stacked bars per policy x comm (default: no plot)")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     p.set_defaults(func=cmd_run)
 
@@ -56,9 +67,12 @@ def run(args) -> dict:
     from ..sim.run import Workload, check_names, simulate_run
 
     policies, comms = check_names(args.policies, args.comm)  # fail before loading anything
-    opts = SimOptions(mfu=args.mfu, overlap=args.overlap, a2a_model=args.a2a_model, weight_sync=args.weight_sync)
+    SimOptions(mfu=args.mfu, overlap=args.overlap, a2a_model=args.a2a_model, weight_sync=args.weight_sync)
     rc = load_run_config(args.config, [*args.overrides, *args.set])
     setup = Setup.from_run_config(rc, args.slots)
+    dedup = args.dedup == "on" if args.dedup else bool(getattr(setup.policy, "dedup", True))
+    opts = SimOptions(mfu=args.mfu, overlap=args.overlap, a2a_model=args.a2a_model, weight_sync=args.weight_sync,
+                      dedup=dedup)
     if args.trace:
         from ..demo.trace import load_trace
 
@@ -73,8 +87,15 @@ def run(args) -> dict:
                   f"{elapsed:.1f} s", file=sys.stderr, flush=True)
 
     if not args.quiet:
-        print(f"simulate run: {args.config}: EP{setup.ep} on {setup.ep_topo.nodes} node(s) of {setup.topology.name}, "
-              f"{setup.layers} layers, {args.steps} step(s), workload {wl.describe()}", file=sys.stderr, flush=True)
+        import shutil
+        import textwrap
+
+        head = (f"simulate run: {args.config}: EP{setup.ep} on {setup.ep_topo.nodes} node(s) of "
+                f"{setup.topology.name}, {setup.layers} layers, {args.steps} step(s), workload {wl.describe()}"
+                + (f", dedup {'on' if dedup else 'off'}" if setup.ep_topo.nodes > 1 else ""))
+        width = shutil.get_terminal_size((80, 24)).columns  # COLUMNS, else the terminal's, else 80
+        print(textwrap.fill(head, max(width, 40), subsequent_indent="  ", break_on_hyphens=False),
+              file=sys.stderr, flush=True)
     return simulate_run(setup, opts, policies, comms, args.steps, wl, progress)
 
 

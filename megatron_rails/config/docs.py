@@ -35,6 +35,10 @@ POLICY_DOCS = {
                            "microbatches reach this, its weights' and gradient's network time in tokens of expert "
                            "compute; 0: derived from the weights' dtype for a 400 Gb/s NIC and a 989 TFLOPS GPU "
                            "(about 13,000 in bf16), 0..2^40",
+    "dedup": "node dedup, when the EP group spans nodes: a token crosses the network once per remote node "
+             "holding one of its experts and fans out over NVLink there; its outputs are summed in that node "
+             "before they come back (the same bits either way). false: a row per token-expert pair. "
+             "`simulate run` prices it the same way (`--dedup` overrides)",
     "check_plan": "validate the plan and all-reduce its digest every layer; raise on every rank on a mismatch (debug)",
 }
 TOPOLOGY_DOCS = {

@@ -304,8 +304,9 @@ def load_run_config(path, overrides=()) -> RunConfig:
     def expand(key, ref):
         found = resolve_ref(ref, base, POLICY_DIR if key == "balancer" else TOPOLOGY_DIR, REPO_DIR)
         if found is None:
-            raise ConfigError(f"{where}: {key}: {'policy' if key == 'balancer' else 'topology'} file "
-                              f"{ref!r} not found (a preset name, or a path relative to the working "
+            kind, pdir = ("policy", POLICY_DIR) if key == "balancer" else ("topology", TOPOLOGY_DIR)
+            raise ConfigError(f"{where}: {key}: {kind} file {ref!r} not found (a preset name: "
+                              f"{', '.join(presets.names(pdir))}; or a path relative to the working "
                               f"directory, {base}" + (f" or {REPO_DIR})" if REPO_DIR else ")"))
         try:
             data = read_yaml(found)

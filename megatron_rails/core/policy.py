@@ -57,7 +57,10 @@ class PolicyConfig:
     replica_cost_tokens: within an optimizer step a replica is added to the resident placement only
     when the tokens it takes off the busiest rank, over the step's remaining microbatches, reach
     this (0: derived from the weights' dtype for a 400 Gb/s NIC and a 989 TFLOPS GPU,
-    core/planners/step.replica_cost_tokens)."""
+    core/planners/step.replica_cost_tokens).  dedup: when the EP group spans nodes, a token crosses
+    the network once per remote node it has pairs on and fans out inside the node; its outputs
+    there are summed before they come back (runtime/dedup.py; the output is the same bits either
+    way)."""
 
     policy: str = "fsep"
     slots: int = 1
@@ -70,6 +73,7 @@ class PolicyConfig:
     tolerance: float = 0.05
     rails_tolerance: float = 0.05
     replica_cost_tokens: int = 0
+    dedup: bool = True
 
     def __post_init__(self):
         from .planners import POLICIES
@@ -100,8 +104,9 @@ class PolicyConfig:
         if not valid_tolerance(self.rails_tolerance):
             raise ConfigError(f"rails_tolerance: expected a number in [0, 1] (busiest rail over the even spread - 1 "
                               f"that comm rails sends direct instead of spraying), got {self.rails_tolerance!r}")
-        if not isinstance(self.check_plan, bool):
-            raise ConfigError(f"check_plan: expected true or false, got {self.check_plan!r}")
+        for key in ("check_plan", "dedup"):
+            if not isinstance(getattr(self, key), bool):
+                raise ConfigError(f"{key}: expected true or false, got {getattr(self, key)!r}")
 
     @classmethod
     def from_dict(cls, data: dict, where: str = "<dict>") -> "PolicyConfig":

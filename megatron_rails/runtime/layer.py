@@ -46,7 +46,9 @@ from .comm import all_gather_counts, collective_device, make_comm
 from .expert_kind import ExpertKind
 from .experts import ExpertStore, ShardedExpertStore
 from .faults import maybe_fault
+from .dedup import DedupExchange, fanout_DD
 from .local import SendOrder, order_pairs, receive_order, rows, sum_pairs
+from .units import NodeUnits, node_units
 
 METRICS_KEPT = 10_000  # per-layer metric records kept (one per microbatch step)
 RECENT_PLANS = 16  # plans kept for replays (activation recompute of in-flight microbatches)
@@ -109,6 +111,11 @@ class LayerRuntime:
                                                                          self.node_size))
         self.state = self.planner.initial_state()
         self.comm = make_comm(policy, group, self.node_size)
+        # V: nodes the EP group spans (1: one node, or ranks_per_node not dividing it). Across nodes
+        # a token's outputs add up node by node (runtime/units.py), deduplicated or not
+        self.nodes = self.num_ranks // self.node_size if self.num_ranks % self.node_size == 0 else 1
+        self.units: Optional[NodeUnits] = None
+        self.dedup: Optional[DedupExchange] = None
         self.store: Optional[ExpertStore] = None
         # the latest layer steps only: a run of weeks must not grow this without bound
         self.metrics: deque[dict] = deque(maxlen=METRICS_KEPT)
@@ -155,9 +162,25 @@ class LayerRuntime:
             window.forwards += 1
         self.plan = plan
         self.sent = order_pairs(plan, self.rank, routing_map, probs)
+        units_DV = self._node_units(x_TH.shape[0])
         record = None if replay else self._record(plan, counts_DE, (t1 - t0) * 1e6, (t2 - t1) * 1e6, x_TH, opened,
-                                                  fetched)
+                                                  fetched, units_DV)
+        if self.dedup is not None:
+            return (*self.dedup.send_rows(x_TH, self.sent.probs_P), record)
         return x_TH[self.sent.token_P], self.sent.probs_P, record
+
+    def _node_units(self, T: int) -> Optional[np.ndarray]:
+        """Across nodes: this rank's units (runtime/units.py) and, all-gathered, every rank's units
+        per node (int64 [D, V]; collective); the deduplicated exchange when the policy asks for it."""
+        self.units = self.dedup = None
+        if self.nodes == 1:
+            return None
+        self.units = node_units(self.sent, self.rank, self.node_size, self.nodes, T)
+        units_DV = all_gather_counts(torch.from_numpy(self.units.units_V).to(self.sent.token_P.device), self.group)
+        if self.policy.dedup:
+            self.dedup = DedupExchange(self.plan, self.sent, self.units, units_DV, self.rank, self.node_size,
+                                       self.group, self.comm)
+        return units_DV
 
     def _plan(self, counts_DE: np.ndarray, replay: bool) -> tuple[Plan, object]:
         """The plan for these counts, and whether it opens a new window of resident slots (True),
@@ -228,6 +251,8 @@ class LayerRuntime:
     def exchange_tokens(self, x_P: torch.Tensor, probs_P: torch.Tensor):
         """The token all-to-all: (x_Q [Q, H], probs_Q [Q]) in source-rank order."""
         maybe_fault("token_dispatch", self.rank)
+        if self.dedup is not None:
+            return self.dedup.exchange(x_P, probs_P)
         send_DD, so = self.plan.send_DD, self.sent
         x_Q = self.comm.exchange(x_P, so.send_D, so.recv_D, send_DD)
         probs_Q = self.comm.exchange(probs_P.unsqueeze(-1), so.send_D, so.recv_D, send_DD).squeeze(-1)
@@ -276,14 +301,33 @@ class LayerRuntime:
     def return_tokens(self, y_Q: torch.Tensor) -> torch.Tensor:
         """The reverse all-to-all: y_P [P, H] in this rank's send order."""
         maybe_fault("token_combine", self.rank)
+        if self.dedup is not None:  # the entries' unit sums and the same-node pairs' outputs: y_N [N, H]
+            return self.dedup.give_back(y_Q)
         so = self.sent
         return self.comm.exchange(y_Q, so.recv_D, so.send_D, self.plan.send_DD.T)
 
     def combine(self, y_P: torch.Tensor, T: int) -> torch.Tensor:
-        """[T, H]: every token's expert outputs summed."""
-        return sum_pairs(y_P, self.sent, T)
+        """[T, H]: every token's expert outputs summed (across nodes: node by node, so that the
+        sum is the same bits with dedup on, y_N from return_tokens, or off, y_P)."""
+        if self.units is None:
+            return sum_pairs(y_P, self.sent, T)
+        y_N = y_P if self.dedup is not None else self.units.rows_from_pairs(y_P)
+        return self.units.token_sums(y_N, T)
 
     # -- checks and metrics -----------------------------------------------------------------------
+    def _internode(self, send_DD: np.ndarray, units_DV: Optional[np.ndarray], token_bytes: int) -> dict:
+        """Token bytes crossing nodes in the EP group's dispatch: a row per pair (no dedup) and a
+        row per unit (dedup), and what this step sent."""
+        if units_DV is None:
+            return {"internode_token_bytes_pairs": 0, "internode_token_bytes_dedup": 0, "internode_token_bytes": 0,
+                    "dedup": False}
+        node = np.arange(self.num_ranks) // self.node_size
+        pairs = int(send_DD[node[:, None] != node[None, :]].sum()) * token_bytes
+        units = int(units_DV.sum()) * token_bytes
+        dedup = self.dedup is not None
+        return {"internode_token_bytes_pairs": pairs, "internode_token_bytes_dedup": units,
+                "internode_token_bytes": units if dedup else pairs, "dedup": dedup}
+
     def _check_plan(self, plan: Plan) -> None:
         """Debug mode: every rank validates its plan and all-reduces its digest, so a plan that is
         invalid or differs on any rank raises on every rank (never a hang or a silent mismatch)."""
@@ -307,10 +351,12 @@ class LayerRuntime:
                                     f"token counts or planner state diverged")
 
     def _record(self, plan: Plan, counts_DE: np.ndarray, gather_us: float, plan_us: float, x_TH,
-                opened, fetched: int) -> dict:
+                opened, fetched: int, units_DV: Optional[np.ndarray]) -> dict:
         token_bytes = x_TH.element_size() * x_TH.shape[-1]
         send = plan.send_DD
-        off_diag = int(send.sum() - np.trace(send))
+        # what the token exchange really moves: with dedup, stage 1's rows and the fan-out's
+        moved_DD = send if self.dedup is None else self.dedup.rows_DD + fanout_DD(send, self.node_size)
+        off_diag = int(moved_DD.sum() - np.trace(moved_DD))
         expert_bytes = self.store.param_bytes if self.store else 0  # weights move in their own dtype
         before_D, after_D = stock_load_D(counts_DE, self.num_ranks), plan.load_D
         after = imbalance(after_D)
@@ -341,6 +387,8 @@ class LayerRuntime:
             "plan_us": plan_us,
             "count_gather_us": gather_us,
             "layout": "sharded" if plan.placement.layout == SHARDED else "owner",
-            "rails_sprayed": self.comm.sprays(send),  # the token exchange goes over RailS's three phases
+            # the token exchange (with dedup: stage 1) goes over RailS's three phases
+            "rails_sprayed": self.comm.sprays(send if self.dedup is None else self.dedup.rows_DD),
+            **self._internode(send, units_DV, token_bytes),
         })
         return self.metrics[-1]

@@ -24,7 +24,6 @@ def permutation_and_inverse(order_N: np.ndarray, device) -> tuple[torch.Tensor, 
     return order_t, inverse_t
 
 
-
 @dataclass
 class SendOrder:
     """This rank's token-expert pairs in send order (by destination rank, then slot there; token
@@ -35,6 +34,8 @@ class SendOrder:
     recv_D: list  # and in
     by_token: Optional[torch.Tensor]  # pair positions grouped by token, when every token has k pairs
     k: int
+    dest_P: np.ndarray  # int64 [P] (host): the destination EP rank of every pair
+    slot_P: np.ndarray  # int64 [P] (host): its slot there
 
 
 def segment_order(lengths: np.ndarray, seg_order: np.ndarray) -> np.ndarray:
@@ -76,8 +77,10 @@ def order_pairs(plan, me: int, routing_map: torch.Tensor, probs: torch.Tensor) -
             pos_TE = torch.full((T, E), P, dtype=torch.int64, device=dev)
             pos_TE[token_P, e_sent] = torch.arange(P, device=dev)
             by_token = (pos_TE.sort(dim=1).values[:, :k] if k < E else pos_TE).reshape(-1)
+    n_run = tok_M[row][runs]
     send_D = np.bincount(dest, weights=tok_M[row], minlength=plan.send_DD.shape[0]).astype(np.int64).tolist()
-    return SendOrder(token_P, probs_P, send_D, plan.send_DD[:, me].tolist(), by_token, k)
+    return SendOrder(token_P, probs_P, send_D, plan.send_DD[:, me].tolist(), by_token, k,
+                     np.repeat(dest[runs], n_run), np.repeat(slot[runs], n_run))
 
 
 def sum_pairs(y_P: torch.Tensor, so: SendOrder, T: int) -> torch.Tensor:

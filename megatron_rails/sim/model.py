@@ -18,9 +18,27 @@ FLOPs (a GEMM of [m, k] x [k, n] is 2mkn; backward = 2 x forward):
             (and with it the MoE layer's planner, weight fetch and dispatch/combine all-to-alls).
 
 Communication (megatron_rails.sim.rails, the fluid model by default, `phased` on request) on the
-EP group's slice of the topology (`ep_topology`):
+EP group's slice of the topology (`ep_topology`); `rails` follows the dispatcher's rule and sends an
+exchange direct when its rail-matched direct all-to-all is within the policy's rails_tolerance of even
+rails (`CommModel`):
   tokens    dispatch sends plan.send_DD rows of H x 2 bytes (bf16), combine the transpose; backward
             repeats both in reverse: (forward passes + 1) x (t(send) + t(send^T)) per microbatch.
+  dedup     (`SimOptions.dedup`, on by default like the policy key `dedup`; only when the EP group
+            spans nodes) the runtime's two stages (runtime/dedup.py): stage 1 keeps the rows inside
+            the sender's node and sends each token ONCE to every remote node b holding one of its
+            pairs, to the entry rank b * G + s mod G (s's rail: rail-matched); stage 2 forwards it from
+            the entry over NVLink to every rank of b serving one of its pairs, a row per pair (none
+            for pairs the entry serves). The combine runs the reverse (the entry sums a token's
+            outputs). Timed as `simulate a2a --dedup` times it: fluid, the fan-out's bytes join the
+            NVLink ports of stage 1's flow model plus one hop's latency; phased, a fourth phase.
+            Stage 1's rows to b are E[distinct tokens with a pair on b], from an analytic model, not
+            sampled (`distinct_ratio_DV`): each token of rank s picks its topk experts as independent
+            Bernoulli draws with p_e = counts_DE[s, e] / T_s conditioned on exactly topk picks (the
+            conditional Poisson design: the maximum-entropy choice of topk distinct experts at these
+            per-expert rates), and a pair goes to node b with the share of (s, e)'s rows the plan's
+            route sends there; generating functions give P(>= 1 pair on b) / E[pairs on b] exactly
+            under that model, and the plan's real pair rows to b times that ratio are the distinct
+            rows (so topk = 1 changes no byte, and dedup never adds one).
   weights   owner layout (eplb, ultraep, lp): every replica with tokens that is not an owner copy is
             fetched whole from its owner (3HF x 2 bytes); its gradient returns the same way (bf16).
             Sharded layout (fsep): every slot with tokens gathers the 1/D shard of its expert from each
@@ -68,6 +86,7 @@ class SimOptions:
     weight_sync: str = "iteration"  # iteration (resident for the step) | microbatch
     dtype_bytes: int = 2          # activations and weights (bf16)
     grad_bytes: int = 2           # returned weight gradients (bf16)
+    dedup: bool = True            # a token crosses to a remote node once (policy key `dedup`)
 
     def __post_init__(self):
         if not 0 < self.mfu <= 1:
@@ -78,6 +97,8 @@ class SimOptions:
             raise SimError(f"--weight-sync must be one of {', '.join(WEIGHT_SYNCS)}, got {self.weight_sync!r}")
         if self.a2a_model not in A2A_MODELS:
             raise SimError(f"--a2a-model must be one of {', '.join(A2A_MODELS)}, got {self.a2a_model!r}")
+        if not isinstance(self.dedup, bool):
+            raise SimError(f"--dedup must be on or off, got {self.dedup!r}")
 
 
 def ep_topology(topo: Topology, ep: int, ep_per_node: int) -> Topology:
@@ -194,28 +215,235 @@ class Setup:
 
 
 class CommModel:
-    """All-to-all time (ms) of traffic matrices on one EP topology, memoized by content."""
+    """All-to-all time (ms) of traffic matrices on one EP topology, memoized by content.
 
-    def __init__(self, topo: Topology, a2a_model: str = "fluid"):
-        self.topo, self.model = topo, a2a_model
+    rails_tolerance: None prices `rails` as RailS's spraying schedule always; a number applies the
+    dispatcher's rule (runtime/comm/rails.py, the policy's `rails_tolerance`): an exchange whose
+    rail-matched direct all-to-all loads its busiest rail at most 1 + tolerance times the even spread
+    is sent direct, so it is priced as `direct`."""
+
+    def __init__(self, topo: Topology, a2a_model: str = "fluid", rails_tolerance: float | None = None):
+        self.topo, self.model, self.rails_tolerance = topo, a2a_model, rails_tolerance
         self._cache: dict = {}
 
-    def ms(self, units_DD: np.ndarray, bytes_per_unit: int, scheme: str) -> float:
+    def _scheme(self, scheme: str, traffic: np.ndarray) -> str:
+        if scheme != "rails" or self.rails_tolerance is None:
+            return scheme
+        from ..core.rails_schedule import rail_imbalance
+
+        return "direct" if rail_imbalance(traffic, self.topo) <= 1.0 + self.rails_tolerance else scheme
+
+    def ms(self, units_DD: np.ndarray, bytes_per_unit: int, scheme: str, fan_DD=None) -> float:
+        """Completion of the exchange `units_DD` under `scheme`; with `fan_DD` (node dedup's stage 2,
+        rows inside nodes) followed by that fan-out, as `simulate a2a --dedup` prices it: fluid, the
+        fan-out's bytes join every GPU's NVLink ports (a token is forwarded as it arrives) and the path
+        one more hop; phased, the fan-out is a phase of its own (busiest NVLink port + one latency)."""
         traffic = np.ascontiguousarray(units_DD, dtype=np.int64)
         off = traffic.copy()
         np.fill_diagonal(off, 0)
-        if not off.any():
+        fan = None if fan_DD is None else np.ascontiguousarray(fan_DD, dtype=np.int64)
+        if fan is not None and not fan.any():
+            fan = None
+        if fan is None and not off.any():
             return 0.0
-        if self.topo.nodes == 1:  # every message is one NVLink hop: the model's closed form, any scheme
-            busiest = max(int(off.sum(axis=1).max()), int(off.sum(axis=0).max())) * float(bytes_per_unit)
-            phases = 1  # fluid: one hop's latency; phased: only phase 1 has traffic
-            return (busiest * 8.0 / (self.topo.nvlink_gbps * 1e3) + self.topo.latency_us * phases) / 1e3
-        key = (scheme, int(bytes_per_unit), traffic.shape, traffic.tobytes())
+        if self.topo.nodes == 1 and fan is None:  # every message is one NVLink hop: the closed form
+            return self.nvlink_ms(off, bytes_per_unit)
+        key = (scheme, int(bytes_per_unit), traffic.shape, traffic.tobytes(), None if fan is None else fan.tobytes())
         hit = self._cache.get(key)
         if hit is None:
-            r = simulate_schedule(build_schedule(scheme, traffic, self.topo), scheme, int(bytes_per_unit), (0.0, "-"))
-            hit = self._cache[key] = (r.completion_us if self.model == "fluid" else r.phased_us) / 1e3
+            scheme = self._scheme(scheme, traffic)
+            sch = build_schedule(scheme, traffic, self.topo)
+            r = simulate_schedule(sch, scheme, int(bytes_per_unit), (0.0, "-"))
+            us = r.completion_us if self.model == "fluid" else r.phased_us
+            if fan is not None:
+                us = self._with_fanout_us(sch, r, fan, bytes_per_unit)
+            hit = self._cache[key] = us / 1e3
         return hit
+
+    def _with_fanout_us(self, sch, res, fan_DD, bytes_per_unit: int) -> float:
+        from .rails import resource_loads
+
+        t = self.topo
+
+        def _us(bytes_, gbps):  # microseconds to move bytes_ at gbps Gb/s
+            return np.asarray(bytes_, dtype=np.float64) * 8.0 / (gbps * 1e3)
+
+        fan = np.asarray(fan_DD, dtype=np.float64) * bytes_per_unit
+        out_D, in_D = fan.sum(axis=1), fan.sum(axis=0)
+        if self.model == "phased":
+            return res.phased_us + max(float(_us(out_D, t.nvlink_gbps).max()),
+                                       float(_us(in_D, t.nvlink_gbps).max())) + t.latency_us
+        loads = resource_loads(sch, bytes_per_unit)
+        busiest = max(float(np.max(_us(loads.nic_out_VJ, t.nic_gbps), initial=0.0)),
+                      float(np.max(_us(loads.nic_in_VJ, t.nic_gbps), initial=0.0)),
+                      float(np.max(_us(loads.nvl_out_D + out_D, t.nvlink_gbps), initial=0.0)),
+                      float(np.max(_us(loads.nvl_in_D + in_D, t.nvlink_gbps), initial=0.0)))
+        return busiest + t.latency_us * (loads.hops + 1)
+
+    def nvlink_ms(self, units_DD: np.ndarray, bytes_per_unit: int) -> float:
+        """Time of traffic that stays inside nodes, every message one NVLink hop: the flow model's closed
+        form, the busiest NVLink port's bytes / nvlink_gbps + one latency (fluid and phased alike: one
+        phase carries it all)."""
+        off = np.array(units_DD, dtype=np.int64)
+        np.fill_diagonal(off, 0)
+        if not off.any():
+            return 0.0
+        busiest = max(int(off.sum(axis=1).max()), int(off.sum(axis=0).max())) * float(bytes_per_unit)
+        return (busiest * 8.0 / (self.topo.nvlink_gbps * 1e3) + self.topo.latency_us) / 1e3
+
+
+# -- node dedup (issue #17) -------------------------------------------------------------------------------------
+
+def distinct_ratio_DV(counts_DE, rows_DEV, topk: int) -> np.ndarray:
+    """float64 [D, V]: for the tokens of source rank s, E[tokens with >= 1 pair on node b] / E[pairs on b],
+    in [0, 1] (1 where s sends b nothing). Analytic, no sampling (the module docstring's model): a token
+    picks each expert e independently with p_e = counts_DE[s, e] / T_s (T_s = the row's sum / topk,
+    clipped to [0, 1]), conditioned on exactly topk picks; a picked expert's pair goes to node b with
+    probability f_eb = rows_DEV[s, e, b] / counts_DE[s, e] (the share the plan's route sends there).
+
+    With z counting picks, the coefficients of z^topk of
+        A(z) = prod_e (1 - p_e + p_e z)                          P(topk picks)
+        B(z) = prod_e (1 - p_e + p_e (1 - f_eb) z)                P(topk picks, none on b)
+        C(z) = sum_e p_e f_eb z prod_{j != e} (1 - p_j + p_j z)   E[pairs on b; topk picks]
+    give the ratio (A - B) / C: one pass over the experts, polynomials truncated at degree topk, all
+    terms non-negative, vectorized over (s, b). The union bound (A - B <= C) keeps it <= 1, and with
+    topk = 1 it is 1 (A - B = C)."""
+    c = np.asarray(counts_DE, dtype=np.float64)
+    rows = np.asarray(rows_DEV, dtype=np.float64)
+    D, E = c.shape
+    V = rows.shape[2]
+    k = int(topk)
+    T = c.sum(axis=1) / k
+    with np.errstate(divide="ignore", invalid="ignore"):
+        p_DE = np.clip(np.where(T[:, None] > 0, c / T[:, None], 0.0), 0.0, 1.0)
+        f_DEV = np.where(c[:, :, None] > 0, rows / c[:, :, None], 0.0)
+    used = np.flatnonzero(p_DE.any(axis=0))
+    # expert-major, degree-major layouts: every step below works on contiguous [D, V] planes
+    p_ED = np.ascontiguousarray(p_DE[:, used].T)[:, :, None]                               # [E', D, 1]
+    pf_EDV = np.ascontiguousarray((p_DE[:, :, None] * f_DEV)[:, used].transpose(1, 0, 2))  # [E', D, V]
+    q_ED, pb_EDV = 1.0 - p_ED, p_ED - pf_EDV
+    A = np.zeros((k + 1, D, 1))
+    A[0] = 1.0
+    B = np.zeros((k + 1, D, V))
+    B[0] = 1.0
+    C = np.zeros((k + 1, D, V))
+    tmp, tmp_a = np.empty((k, D, V)), np.empty((k, D, 1))
+    for i in range(used.size):  # multiply every polynomial by expert i's factor (old values into tmp first)
+        p, q = p_ED[i], q_ED[i]
+        np.multiply(C[:-1], p, out=tmp)
+        tmp += A[:-1] * pf_EDV[i]
+        C *= q
+        C[1:] += tmp
+        np.multiply(B[:-1], pb_EDV[i], out=tmp)
+        B *= q
+        B[1:] += tmp
+        np.multiply(A[:-1], p, out=tmp_a)
+        A *= q
+        A[1:] += tmp_a
+    distinct, pairs = A[k] - B[k], C[k]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = np.where(pairs > 0, distinct / pairs, 1.0)
+    return np.clip(ratio, 0.0, 1.0)
+
+
+def route_rows_DEV(plan, ranks_per_node: int) -> np.ndarray:
+    """float64 [D, E, V]: the rows source rank s sends for expert e to node b under the plan's route."""
+    p = plan.placement
+    D, E = p.num_ranks, p.num_experts
+    V = D // ranks_per_node
+    ptr, rep, tok = plan.route
+    src = np.repeat(np.arange(D), np.diff(ptr))
+    flat = (src * E + p.replica_expert_R[rep]) * V + p.replica_rank_R[rep] // ranks_per_node
+    return np.bincount(flat, weights=tok, minlength=D * E * V).reshape(D, E, V)
+
+
+@dataclass(frozen=True)
+class LayerTraffic:
+    """One dispatch's token rows (the combine is the transpose), as priced: `net_DD` through the
+    all-to-all model, then `fan_DD` (inside nodes) on NVLink. Without dedup net_DD is send_DD and
+    fan_DD is empty. `inter_rows`: rows crossing nodes without dedup (pairs); `inter_rows_dedup`: with
+    dedup (distinct (token, remote node) pairs, expected, rounded per (s, b)); `fan_rows`: NVLink fan-out
+    rows with dedup."""
+
+    net_DD: np.ndarray
+    fan_DD: np.ndarray
+    dedup: bool
+    inter_rows: int
+    inter_rows_dedup: int
+    fan_rows: int
+
+
+def entry_DV(D: int, G: int) -> np.ndarray:
+    """int64 [D, V]: the entry rank on node b of rank s's tokens, b * G + s mod G: the GPU with s's
+    place in the node, on s's rail (runtime/dedup.py's rule)."""
+    return np.arange(D // G)[None, :] * G + (np.arange(D) % G)[:, None]
+
+
+def token_traffic(send_DD, ratio_DV, ranks_per_node: int, dedup: bool) -> LayerTraffic:
+    """The exchange of `send_DD` (int [D, D] pair rows) with or without node dedup (module docstring);
+    ratio_DV: distinct_ratio_DV of the same route (None: one node, nothing to dedup).
+
+    With dedup, stage 1 (`net_DD`) keeps the rows inside the sender's node and sends, per remote node b,
+    round(ratio_sb x the pair rows to b) distinct tokens to the entry rank entry(s, b); stage 2
+    (`fan_DD`) forwards every pair row to b from that entry to the rank serving it, over NVLink (a pair
+    the entry serves itself moves no further): the runtime's two stages (runtime/dedup.py)."""
+    send = np.asarray(send_DD, dtype=np.int64)
+    D, G = send.shape[0], int(ranks_per_node)
+    V = D // G
+    node = np.arange(D) // G
+    remote = node[:, None] != node[None, :]
+    inter = int(send[remote].sum())
+    if ratio_DV is None or V == 1:
+        return LayerTraffic(send, np.zeros_like(send), dedup, inter, inter, 0)
+    distinct_DV = np.rint(send.reshape(D, V, G).sum(axis=2) * np.minimum(ratio_DV, 1.0)).astype(np.int64)
+    distinct_DV[np.arange(D), node] = 0
+    s_idx, d_idx = np.nonzero(remote & (send > 0))
+    entry = entry_DV(D, G)
+    fan = np.zeros_like(send)
+    np.add.at(fan, (entry[s_idx, node[d_idx]], d_idx), send[s_idx, d_idx])
+    np.fill_diagonal(fan, 0)  # pairs the entry serves itself
+    deduped, fanned = int(distinct_DV.sum()), int(fan.sum())
+    if not dedup:
+        return LayerTraffic(send, np.zeros_like(send), False, inter, deduped, fanned)
+    net = np.where(remote, 0, send)
+    net[np.arange(D)[:, None], entry] += distinct_DV
+    return LayerTraffic(net, fan, True, inter, deduped, fanned)
+
+
+def plan_traffic(setup: Setup, opts: SimOptions, plan) -> LayerTraffic:
+    """The token traffic of a plan (the dedup figures are computed with dedup on or off, for the report)."""
+    G = setup.ep_topo.gpus_per_node
+    if setup.ep_topo.nodes == 1:
+        return token_traffic(plan.send_DD, None, G, opts.dedup)
+    ratio = distinct_ratio_DV(plan.counts_DE, route_rows_DEV(plan, G), setup.topk)
+    return token_traffic(plan.send_DD, ratio, G, opts.dedup)
+
+
+def balanced_send_DD(counts_DE) -> np.ndarray:
+    """int64 [D, D]: every rank sends each rank an equal share of its rows (the force-balanced router)."""
+    c = np.asarray(counts_DE, dtype=np.int64)
+    D = c.shape[0]
+    rows_D = c.sum(axis=1)
+    return (rows_D[:, None] // D + (np.arange(D)[None, :] < (rows_D % D)[:, None])).astype(np.int64)
+
+
+def balanced_traffic(setup: Setup, opts: SimOptions, counts_DE) -> LayerTraffic:
+    """The force-balanced ideal's token traffic: every rank's tokens pick the experts uniformly (p_e =
+    topk / E), expert e is served by the ranks [eD/E, (e+1)D/E), so its pairs go to the nodes those ranks
+    sit on; the rows to each rank are the equal shares of `balanced_send_DD`."""
+    send = balanced_send_DD(counts_DE)
+    G, D, E = setup.ep_topo.gpus_per_node, send.shape[0], setup.experts
+    if setup.ep_topo.nodes == 1:
+        return token_traffic(send, None, G, opts.dedup)
+    V = D // G
+    lo, hi = np.arange(E) * D / E, np.arange(1, E + 1) * D / E  # expert e's span of ranks
+    b_lo, b_hi = np.arange(V) * G, np.arange(1, V + 1) * G
+    share_EV = np.clip(np.minimum(hi[:, None], b_hi[None, :]) - np.maximum(lo[:, None], b_lo[None, :]), 0, None)
+    share_EV /= share_EV.sum(axis=1, keepdims=True)
+    rows_D = send.sum(axis=1).astype(np.float64)
+    counts = np.repeat(rows_D[:, None] / E, E, axis=1)
+    ratio = distinct_ratio_DV(counts, counts[:, :, None] * share_EV[None], setup.topk)
+    return token_traffic(send, ratio, G, opts.dedup)
 
 
 def weight_units_DD(plan, expert_bytes: int) -> tuple[np.ndarray, int]:
@@ -239,39 +467,51 @@ def weight_units_DD(plan, expert_bytes: int) -> tuple[np.ndarray, int]:
     return weights_DD, int(moved.sum()) * expert_bytes
 
 
-def layer_cost(setup: Setup, opts: SimOptions, plan, comm: CommModel, scheme: str) -> dict:
+def _traffic_figures(setup: Setup, opts: SimOptions, tr: LayerTraffic) -> dict:
+    tok = setup.hidden * opts.dtype_bytes
+    return {"internode_bytes": tr.inter_rows * tok, "internode_bytes_dedup": tr.inter_rows_dedup * tok,
+            "fanout_bytes": tr.fan_rows * tok}
+
+
+def layer_cost(setup: Setup, opts: SimOptions, plan, comm: CommModel, scheme: str,
+               traffic: LayerTraffic | None = None) -> dict:
     """Milliseconds of one MoE layer for one microbatch (forward + backward) on its slowest rank,
-    without the planner (added by the caller from the measured median)."""
+    without the planner (added by the caller from the measured median). `traffic`: plan_traffic of the
+    plan, when the caller prices it under several schemes."""
     weights_DD, wbytes = weight_units_DD(plan, setup.expert_bytes * opts.dtype_bytes)
     load_max = int(plan.load_D.max()) if plan.load_D.size else 0
-    out = cost_parts(setup, opts, load_max, plan.send_DD, weights_DD, comm, scheme)
-    return out | {"weight_bytes": wbytes, "max_over_mean": plan.max_over_mean}
+    tr = traffic if traffic is not None else plan_traffic(setup, opts, plan)
+    out = cost_parts(setup, opts, load_max, tr.net_DD, weights_DD, comm, scheme, fan_DD=tr.fan_DD)
+    return out | {"weight_bytes": wbytes, "max_over_mean": plan.max_over_mean} | _traffic_figures(setup, opts, tr)
 
 
-def force_balanced_cost(setup: Setup, opts: SimOptions, counts_DE: np.ndarray, comm: CommModel, scheme: str) -> dict:
+def force_balanced_cost(setup: Setup, opts: SimOptions, counts_DE: np.ndarray, comm: CommModel, scheme: str,
+                        traffic: LayerTraffic | None = None) -> dict:
     """The force-balanced ideal of UltraEP's comparison: the same tokens as if the router had spread
     them evenly: every rank computes ceil(total / D), every rank sends each rank an equal share of
-    its rows, no weights move."""
+    its rows (deduplicated per node as `balanced_traffic` models it), no weights move."""
     c = np.asarray(counts_DE, dtype=np.int64)
     D = c.shape[0]
-    rows_D = c.sum(axis=1)
-    send_DD = (rows_D[:, None] // D + (np.arange(D)[None, :] < (rows_D % D)[:, None])).astype(np.int64)
-    out = cost_parts(setup, opts, -(-int(c.sum()) // D), send_DD, np.zeros((D, D), dtype=np.int64), comm,
-                     scheme)
-    return out | {"weight_bytes": 0, "max_over_mean": 1.0}
+    tr = traffic if traffic is not None else balanced_traffic(setup, opts, c)
+    out = cost_parts(setup, opts, -(-int(c.sum()) // D), tr.net_DD, np.zeros((D, D), dtype=np.int64), comm,
+                     scheme, fan_DD=tr.fan_DD)
+    return out | {"weight_bytes": 0, "max_over_mean": 1.0} | _traffic_figures(setup, opts, tr)
 
 
 def cost_parts(setup: Setup, opts: SimOptions, load_max: int, send_DD, weights_DD, comm: CommModel,
-               scheme: str) -> dict:
+               scheme: str, fan_DD=None) -> dict:
     """The cost model proper (module docstring) from the busiest rank's tokens, the token traffic
-    (rows, int [D, D]) and the forward weight traffic (CHUNK_BYTES units, int [D, D])."""
+    (rows, int [D, D]; with dedup the network exchange, then `fan_DD` on NVLink) and the forward weight
+    traffic (CHUNK_BYTES units, int [D, D])."""
     flops_per_ms = setup.topology.gpu_tflops * 1e9 * opts.mfu
     passes = setup.fwd_passes
     expert = load_max * setup.expert_flops_per_token * (passes + 2) / flops_per_ms
     dense = setup.micro_batch * setup.seq / setup.cp * setup.dense_flops_per_token() / flops_per_ms
     send = np.asarray(send_DD)
     tok_bytes = setup.hidden * opts.dtype_bytes
-    a2a = (passes + 1) * (comm.ms(send, tok_bytes, scheme) + comm.ms(send.T, tok_bytes, scheme))
+    fan = None if fan_DD is None else np.asarray(fan_DD)  # dispatch: stage 1, fan-out; combine: the reverse
+    a2a = (passes + 1) * (comm.ms(send, tok_bytes, scheme, fan)
+                          + comm.ms(send.T, tok_bytes, scheme, None if fan is None else fan.T))
     w_fwd = comm.ms(weights_DD, CHUNK_BYTES, scheme)
     w_bwd = comm.ms(np.asarray(weights_DD).T, CHUNK_BYTES, scheme) * opts.grad_bytes / opts.dtype_bytes
     if opts.weight_sync == "iteration":  # fetched once, kept for every microbatch; grads returned once

@@ -44,34 +44,110 @@ def print_table(result: dict, wide: bool = False) -> None:
     note(con, f"speedup: over none/direct; max/mean: tokens on the busiest EP rank / mean (stock placement: "
               f"{result['rows'][0]['max_over_mean_stock']:.3f}); mfu {o['mfu']}, a2a model {o['a2a_model']}, "
               f"weight sync {o['weight_sync']}, overlap {o['overlap']}: {result['assumptions']['overlap']}")
+    if s["ep_nodes"] > 1:
+        note(con, dedup_note(result))
     comms = {r["comm"] for r in result["rows"]}
     if s["ep_nodes"] == 1 and {"direct", "rails"} <= comms:
         note(con, f"direct and rails rows are the same: the EP group of {s['ep']} ranks fits in one node, so no "
                   f"token crosses a NIC and rail routing has nothing to change (rails differs once EP spans nodes)")
 
 
-def plot(result: dict, png: str) -> None:
+def dedup_note(result: dict) -> str:
+    """The inter-node token bytes of one layer's dispatch, per policy, without and with node dedup."""
+    on = result["options"]["dedup"]
+    seen = {}
+    for r in [*result["rows"], *result["force_balanced"]]:
+        name = "ideal" if r["policy"] == "force-balanced" else r["policy"]
+        seen.setdefault(name, (r["internode_bytes_per_layer"], r["internode_bytes_dedup_per_layer"]))
+    top = max((a for a, _ in seen.values()), default=0.0)
+    scale, unit, digits = (1e9, "GB", 1) if top >= 10e9 else (1e6, "MB", 0)
+    parts = [f"{name} {a / scale:.{digits}f} -> {b / scale:.{digits}f} ({100 * (b / a - 1):+.0f}%)" if a
+             else f"{name} 0" for name, (a, b) in seen.items()]
+    head = ("dedup on (priced): a token crosses to a remote node once, then fans out over NVLink"
+            if on else "dedup off (priced): one network row per token-expert pair (--dedup on: a token once per remote "
+               "node)")
+    return f"{head}; inter-node token {unit} per layer dispatch, without -> with dedup: {', '.join(parts)}"
+
+
+SHADES = {"direct": 1.0, "rails": 0.55}  # a comm's bars: the component colours, lighter for rails
+HATCH = {"direct": "", "rails": "//"}
+
+
+def plot(result: dict, png: str) -> list[str]:
+    """Stacked bars of the iteration breakdown, one group per policy (a bar per comm, rails hatched),
+    the speedup over none/direct on top, the force-balanced ideal as a labelled line per comm (one line
+    for comms whose ideal is the same). Legend: only the parts some bar has, top of the stack first.
+    Returns the legend's labels."""
+    import textwrap
+
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.colors import to_rgb
+    from matplotlib.patches import Patch
+    from matplotlib.ticker import FuncFormatter
 
     rows = result["rows"]
-    fig, ax = plt.subplots(figsize=(max(6.0, 0.9 * len(rows) + 2), 4.5))
-    x = range(len(rows))
-    bottom = [0.0] * len(rows)
-    for c in COMPONENTS:
-        vals = [r["breakdown"][c] for r in rows]
-        ax.bar(x, vals, bottom=bottom, label=LABELS[c])
-        bottom = [b + v for b, v in zip(bottom, vals)]
-    for i, r in enumerate(rows):
-        ax.text(i, bottom[i], f"{r['speedup']:.2f}x", ha="center", va="bottom", fontsize=8)
-    ax.set_xticks(list(x))
-    ax.set_xticklabels([f"{r['policy']}\n{r['comm']}" for r in rows], fontsize=8)
-    ax.set_ylabel("iteration time (ms)")
+    policies = list(dict.fromkeys(r["policy"] for r in rows))
+    comms = list(dict.fromkeys(r["comm"] for r in rows))
+    tops = [r["iteration_ms"] for r in rows] + [r["iteration_ms"] for r in result["force_balanced"]]
+    scale, unit = (1e3, "s") if max(tops, default=0.0) >= 20_000 else (1.0, "ms")
+    width, gap = 0.8 / len(comms), 0.35
+    x_of = {}
+    for i, pol in enumerate(policies):
+        for j, c in enumerate(comms):
+            x_of[pol, c] = i * (1 + gap) + (j - (len(comms) - 1) / 2) * width
+    shown = [c for c in COMPONENTS if any(r["breakdown"][c] > 0 for r in rows)]  # no empty legend entries
+    colours = dict(zip(COMPONENTS, plt.get_cmap("tab10").colors))
+    fig, ax = plt.subplots(figsize=(max(7.0, 3.6 + 0.55 * len(rows) + 0.3 * len(policies)), 4.8))
+    for r in rows:
+        x, bottom = x_of[r["policy"], r["comm"]], 0.0
+        for c in shown:
+            v = r["breakdown"][c] / scale
+            rgb = to_rgb(colours[c])
+            shade = SHADES.get(r["comm"], 1.0)
+            face = tuple(1 - shade * (1 - ch) for ch in rgb)  # mixed with white
+            ax.bar(x, v, width=width * 0.92, bottom=bottom, color=face, edgecolor=colours[c], linewidth=0.6,
+                   hatch=HATCH.get(r["comm"], ""))
+            bottom += v
+        ax.annotate(f"{r['speedup']:.2f}x", (x, bottom), xytext=(0, 2), textcoords="offset points",
+                    ha="center", va="bottom", fontsize=7.5, bbox=dict(facecolor="white", edgecolor="none", pad=0.3))
+    ideal = {}
+    for r in result["force_balanced"]:
+        ideal.setdefault(round(r["iteration_ms"], 6), []).append(r["comm"])
+    decimals = 1 if unit == "s" else 0
+    styles = iter([("--", "0.25"), (":", "0.45"), ("-.", "0.6")])
+    handles = []
+    for v, cs in ideal.items():
+        ls, col = next(styles, ("--", "0.3"))
+        handles.append(ax.axhline(v / scale, color=col, lw=1.0, ls=ls, zorder=0.5,
+                                  label=f"force-balanced ideal ({', '.join(cs)}): {v / scale:,.{decimals}f} {unit}"))
+    ax.set_xticks([i * (1 + gap) for i in range(len(policies))])
+    ax.set_xticklabels(policies)
+    if len(comms) > 1:
+        for (pol, c), x in x_of.items():
+            ax.annotate(c, (x, 0), xytext=(0, -3), textcoords="offset points", ha="center", va="top", fontsize=7,
+                        color="0.35", annotation_clip=False)
+        ax.tick_params(axis="x", pad=14, length=0)
+    ax.set_ylabel(f"iteration time ({unit})")
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:,.0f}" if v >= 10 or v == 0 else f"{v:g}"))
+    ax.set_ylim(0, max(tops, default=1.0) / scale * 1.1)
+    ax.set_xlim(-0.5 - gap / 2, (len(policies) - 1) * (1 + gap) + 0.5 + gap / 2)
+    ax.spines[["top", "right"]].set_visible(False)
     s = result["setup"]
-    ax.set_title(f"{s['name']}: EP{s['ep']} on {s['topology']}, {result['workload']}", fontsize=9)
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    nodes = f"{s['ep_nodes']} node{'s' if s['ep_nodes'] > 1 else ''}"
+    dedup = f", dedup {'on' if result['options']['dedup'] else 'off'}" if s["ep_nodes"] > 1 else ""
+    about = (f"E{s['experts']} top-{s['topk']}, EP{s['ep']} over {nodes} of {s['topology']}, {result['workload']}"
+             f"{dedup}; bar labels: speedup over none/direct")
+    chars = int(fig.get_figwidth() * 13)  # characters of 8.5-point text per line of the figure's width
+    fig.suptitle("\n".join([s["name"], *textwrap.wrap(about, chars)]), fontsize=8.5)
+    parts = [Patch(facecolor=colours[c], edgecolor=colours[c], label=LABELS[c]) for c in reversed(shown)]
+    comm_keys = [Patch(facecolor=tuple(1 - SHADES.get(c, 1.0) * (1 - ch) for ch in to_rgb("0.5")),
+                       edgecolor="0.3", hatch=HATCH.get(c, ""), label=f"comm {c}") for c in comms]
+    legend = ax.legend(handles=parts + (comm_keys if len(comms) > 1 else []) + handles, fontsize=7.5,
+                       loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
     fig.tight_layout()
-    fig.savefig(png, dpi=110)
+    fig.savefig(png, dpi=120, bbox_inches="tight")  # the legend outside the axes is kept whole
     plt.close(fig)
+    return [t.get_text() for t in legend.get_texts()]

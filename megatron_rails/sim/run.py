@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .model import CommModel, Setup, SimError, SimOptions, force_balanced_cost, head_ms, layer_cost
+from .model import (CommModel, Setup, SimError, SimOptions, balanced_traffic, force_balanced_cost, head_ms, layer_cost,
+                    plan_traffic)
 
 COMPONENTS = ("dense_ms", "expert_compute_ms", "token_a2a_ms", "weights_ms", "planner_ms", "pipeline_bubble_ms")
 BASELINE = ("none", "direct")
@@ -142,7 +143,7 @@ def simulate_run(setup: Setup, opts: SimOptions, policies, comms, steps: int, wo
     run_comms = list(dict.fromkeys([BASELINE[1], *comms]))
     planners = _planners(setup, run_pols)
     states = {p: [planners[p].initial_state() for _ in range(setup.layers)] for p in run_pols}
-    comm = CommModel(setup.ep_topo, opts.a2a_model)
+    comm = CommModel(setup.ep_topo, opts.a2a_model, float(setup.policy.rails_tolerance))
     pp, Y = setup.pp, setup.layers
     per = Y // pp
     plan_us = {p: [] for p in run_pols}
@@ -150,7 +151,8 @@ def simulate_run(setup: Setup, opts: SimOptions, policies, comms, steps: int, wo
     keys = ("dense_ms", "expert_compute_ms", "token_a2a_ms", "weights_ms")
     cases = [(p, c) for p in [*run_pols, IDEAL] for c in run_comms]
     acc = {k: np.zeros((steps, pp, len(keys))) for k in cases}  # per step and stage, summed over its layers
-    extra = {k: {"weights_total_ms": 0.0, "weight_bytes": 0.0, "max_over_mean": 0.0} for k in cases}
+    extra = {k: {"weights_total_ms": 0.0, "weight_bytes": 0.0, "max_over_mean": 0.0, "internode_bytes": 0.0,
+                 "internode_bytes_dedup": 0.0, "fanout_bytes": 0.0} for k in cases}
     before = 0.0
     t_start = time.perf_counter()
 
@@ -163,16 +165,18 @@ def simulate_run(setup: Setup, opts: SimOptions, policies, comms, steps: int, wo
         for layer in range(Y):
             counts_DE = workload.counts(step, layer)
             stage = layer // per
+            ideal = balanced_traffic(setup, opts, counts_DE)
             for c in run_comms:
-                add((IDEAL, c), stage, step, force_balanced_cost(setup, opts, counts_DE, comm, c))
+                add((IDEAL, c), stage, step, force_balanced_cost(setup, opts, counts_DE, comm, c, ideal))
             for pol in run_pols:
                 t0 = time.perf_counter_ns()
                 plan, states[pol][layer] = planners[pol].plan(counts_DE, states[pol][layer])
                 plan_us[pol].append((time.perf_counter_ns() - t0) / 1e3)
                 if pol == "none":
                     before += plan.max_over_mean
+                traffic = plan_traffic(setup, opts, plan)
                 for c in run_comms:
-                    add((pol, c), stage, step, layer_cost(setup, opts, plan, comm, c))
+                    add((pol, c), stage, step, layer_cost(setup, opts, plan, comm, c, traffic))
         if progress:
             progress(step + 1, steps, time.perf_counter() - t_start)
     head = head_ms(setup, opts)
@@ -196,14 +200,18 @@ def simulate_run(setup: Setup, opts: SimOptions, policies, comms, steps: int, wo
             "weights_total_ms_per_layer": extra[pol, c]["weights_total_ms"] / n,
             "weight_bytes_per_layer": extra[pol, c]["weight_bytes"] / n,
             "max_over_mean": extra[pol, c]["max_over_mean"] / n, "max_over_mean_stock": before / n,
+            "internode_bytes_per_layer": extra[pol, c]["internode_bytes"] / n,
+            "internode_bytes_dedup_per_layer": extra[pol, c]["internode_bytes_dedup"] / n,
+            "fanout_bytes_per_layer": extra[pol, c]["fanout_bytes"] / n,
         }
     base = rows[BASELINE]["iteration_ms"]
     for (pol, c), r in rows.items():
         r["speedup"] = base / r["iteration_ms"] if r["iteration_ms"] > 0 else 0.0
         r["of_force_balanced"] = rows[IDEAL, c]["iteration_ms"] / r["iteration_ms"] if r["iteration_ms"] else 0.0
     return {"setup": setup.describe(), "options": opts.__dict__ | {"steps": steps},
-            "workload": workload.describe(), "assumptions": ASSUMPTIONS | {"overlap": OVERLAP_TEXT[opts.overlap],
-                                                                          "weight_sync": SYNC_TEXT[opts.weight_sync]},
+            "workload": workload.describe(),
+            "assumptions": ASSUMPTIONS | {"overlap": OVERLAP_TEXT[opts.overlap], "weight_sync": SYNC_TEXT[opts.weight_sync],
+                                          "dedup": DEDUP_TEXT[opts.dedup]},
             "rows": [rows[p, c] for p in policies for c in comms],
             "force_balanced": [rows[IDEAL, c] for c in comms]}
 
@@ -212,6 +220,14 @@ SYNC_TEXT = {
     "iteration": "replica / FSEP slot weights fetched once per iteration and kept for all its microbatches, "
                  "grads returned once (our dispatcher)",
     "microbatch": "weights fetched and grads returned every microbatch (a dispatcher without resident slots)",
+}
+DEDUP_TEXT = {
+    True: "node dedup (the dispatcher's two stages): a token crosses to a remote node once, to the entry rank on its "
+          "sender's rail there, which forwards it over NVLink to the node's ranks serving its pairs (combine: summed "
+          "there, back once); timed as simulate a2a --dedup (fluid: the fan-out joins the NVLink ports, one more "
+          "hop; phased: a fourth phase); distinct (token, node) pairs expected under a conditional Poisson model "
+          "of top-k routing from the per-rank expert counts (analytic, not sampled)",
+    False: "no dedup: a token routed to k experts on a remote node crosses the network once per pair",
 }
 OVERLAP_TEXT = {
     "none": "nothing overlaps: planner, weight movement, token all-to-all and expert compute run in sequence",
@@ -224,11 +240,14 @@ ASSUMPTIONS = {
                    "LM head on the last pipeline stage",
     "gemm_rate": "topology gpu_tflops x mfu for every GEMM",
     "all_to_all": "megatron_rails.sim.rails on the EP group's slice of the topology; tokens hidden x 2 bytes; "
-                  "dispatch + combine, forward and backward",
+                  "dispatch + combine, forward and backward; rails sends an exchange direct when the direct "
+                  "exchange's busiest rail is within the policy's rails_tolerance of even (the dispatcher's rule)",
     "weights": "owner layout: each replica with tokens fetched whole from its owner, grads back (bf16); "
                "fsep: shard all-gather of every slot with tokens, grad reduce-scatter back",
     "planner": "median measured planner.plan wall time on this CPU, per layer and microbatch",
     "microbatches": "one counts matrix per layer and step, shared by the step's microbatches",
+    "internode_bytes": "token bytes crossing nodes in one dispatch of one layer (forward; the combine and the "
+                       "backward move as many), without dedup (one row per token-expert pair) and with it",
     "pipeline": "1F1B: (microbatches + stages - 1) x the slowest stage's microbatch time",
     "not_modeled": "DP gradient reduction, optimizer, TP/CP/PP communication, counts all-gather, launch overheads",
 }

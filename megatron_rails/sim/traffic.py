@@ -30,9 +30,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..core.errors import InputError
-from ..core.workloads import WorkloadError, WorkloadSpec, counts, parse_skew
+from ..core.workloads import SKEW_FORMS, WorkloadError, WorkloadSpec, counts, parse_skew
 
 TRAFFIC_FORMS = "uniform | zipf:S | plan:POLICY[:SKEW] | mixtral[:POLICY] | deepseek[:POLICY]"
+# SKEW in plan:POLICY[:SKEW]: the routing skews of core/workloads.py (SKEW_FORMS) but a file
+SKEW_HERE = " | ".join(f for f in SKEW_FORMS.split(" | ") if not f.startswith("file:"))
 DEFAULT_SKEW = "zipf:1.2"
 GENERIC = dict(min_experts=256, topk=8, hidden=4096)
 MIXTRAL = dict(experts=8, topk=2, hidden=4096)
@@ -108,9 +110,9 @@ def parse_traffic(text: str) -> tuple[str, str, str]:
         try:
             sk = parse_skew(s)
         except WorkloadError as err:
-            raise bad(str(err).split(";")[0]) from None
+            raise bad(f"{str(err).split(';')[0]} (SKEW: {SKEW_HERE})") from None
         if sk.kind == "file":
-            raise bad("file skews are not supported here")
+            raise bad(f"file skews are not supported here (SKEW: {SKEW_HERE})")
         return str(sk)
 
     if kind == "uniform":
@@ -131,6 +133,41 @@ def parse_traffic(text: str) -> tuple[str, str, str]:
     raise bad(f"unknown family {kind!r}")
 
 
+@dataclass(frozen=True)
+class Family:
+    """A parsed family with its shape resolved for D ranks: kind, canonical text, routing skew, policy,
+    experts E, topk, hidden H (the family's defaults unless overridden)."""
+
+    kind: str
+    canon: str
+    skew: str
+    policy: str
+    experts: int
+    topk: int
+    hidden: int
+
+
+def check_ints(**values) -> None:
+    """TrafficError unless every given value (name=(value, lowest)) is None or an integer >= lowest."""
+    for name, (v, lo) in values.items():
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < lo):
+            raise TrafficError(f"{name} must be an integer >= {lo}, got {v!r}")
+
+
+def family(text: str, num_ranks: int, *, hidden: int | None = None, experts: int | None = None,
+           topk: int | None = None) -> Family:
+    """The family `text` on `num_ranks` ranks: its canonical text and shape (overrides applied)."""
+    kind, sk, pol = parse_traffic(text)
+    D = int(num_ranks)
+    if kind in ("uniform", "zipf"):
+        shape = dict(experts=-(-GENERIC["min_experts"] // D) * D, topk=GENERIC["topk"], hidden=GENERIC["hidden"])
+    else:
+        shape = dict(DEEPSEEK if kind == "deepseek" else MIXTRAL)
+    shape.update({k: int(v) for k, v in (("experts", experts), ("topk", topk), ("hidden", hidden)) if v is not None})
+    canon = {"uniform": "uniform", "zipf": sk, "plan": f"plan:{pol}:{sk}"}.get(kind, f"{kind}:{pol}")
+    return Family(kind, canon, sk, pol, shape["experts"], shape["topk"], shape["hidden"])
+
+
 def make_traffic(text: str, num_ranks: int, ranks_per_node: int = 8, *, tokens_per_rank: int = 4096,
                  hidden: int | None = None, dtype_bytes: int = 2, experts: int | None = None,
                  topk: int | None = None, seed: int = 0, slots: int = 1) -> Traffic:
@@ -139,22 +176,14 @@ def make_traffic(text: str, num_ranks: int, ranks_per_node: int = 8, *, tokens_p
     hidden / experts / topk override the family's shape; slots: the planners' redundant slots per rank
     (PlannerConfig.slots).
     """
-    kind, sk, pol = parse_traffic(text)
-    for name, v, lo in (("num_ranks", num_ranks, 1), ("ranks_per_node", ranks_per_node, 1),
-                        ("tokens_per_rank", tokens_per_rank, 0), ("dtype_bytes", dtype_bytes, 1),
-                        ("seed", seed, 0), ("slots", slots, 0), ("hidden", hidden, 1),
-                        ("experts", experts, 1), ("topk", topk, 1)):
-        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < lo):
-            raise TrafficError(f"{name} must be an integer >= {lo}, got {v!r}")
+    parse_traffic(text)  # a bad family text is reported before bad numbers
+    check_ints(num_ranks=(num_ranks, 1), ranks_per_node=(ranks_per_node, 1), tokens_per_rank=(tokens_per_rank, 0),
+               dtype_bytes=(dtype_bytes, 1), seed=(seed, 0), slots=(slots, 0), hidden=(hidden, 1),
+               experts=(experts, 1), topk=(topk, 1))
     D = int(num_ranks)
-    if kind in ("uniform", "zipf"):
-        shape = dict(experts=-(-GENERIC["min_experts"] // D) * D, topk=GENERIC["topk"], hidden=GENERIC["hidden"])
-    else:
-        shape = dict(DEEPSEEK if kind == "deepseek" else MIXTRAL)
-    shape.update({k: int(v) for k, v in (("experts", experts), ("topk", topk), ("hidden", hidden)) if v is not None})
-    E, top_k, H = shape["experts"], shape["topk"], shape["hidden"]
-    canon = {"uniform": "uniform", "zipf": sk, "plan": f"plan:{pol}:{sk}"}.get(kind, f"{kind}:{pol}")
-    if kind == "uniform":
+    fam = family(text, D, hidden=hidden, experts=experts, topk=topk)
+    E, top_k, H, canon, sk, pol = fam.experts, fam.topk, fam.hidden, fam.canon, fam.skew, fam.policy
+    if fam.kind == "uniform":
         tok = _uniform_DD(D, int(tokens_per_rank) * top_k)
         return _traffic(canon, tok, H, dtype_bytes, E, top_k, tokens_per_rank, "", "", seed)
     from ..core.planners import PlannerConfig, make_planner

@@ -90,6 +90,22 @@ class Pending:
 
 
 _SIDE: dict = {}  # EP group ranks -> a second process group over the same ranks
+_NODE: dict = {}  # (EP group ranks, G) -> this rank's node group
+
+
+def node_group(group, G: int):
+    """The process group of this rank's node within `group`: the G consecutive EP ranks it shares a
+    node with (`group` itself when it is one node). Created once per process, only its members
+    taking part, with `group`'s timeout."""
+    ranks = tuple(dist.get_process_group_ranks(group) if group is not None else range(dist.get_world_size()))
+    if G >= len(ranks):
+        return group
+    key = (ranks, G)
+    if key not in _NODE:
+        lo = (ranks.index(dist.get_rank()) // G) * G
+        members = list(ranks[lo:lo + G])
+        _NODE[key] = dist.new_group(members, timeout=group_timeout(group), use_local_synchronization=True)
+    return _NODE[key]
 
 
 def side_group(group):

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .base import Pending, collective_device, group_timeout, side_group
+from .base import Pending, collective_device, group_timeout, node_group, side_group
 from .direct import all_to_all, start_all_to_all
 from ...core.rails_schedule import RailSchedule, rail_imbalance, rails_schedule
 from ...core.topology import Topology
@@ -46,11 +46,10 @@ def _subgroups(ep_group, ep_ranks: tuple, topo: Topology):
     if key not in _GROUPS:
         me = ep_ranks.index(dist.get_rank())
         G, D = topo.gpus_per_node, len(ep_ranks)
-        node_members = [ep_ranks[n * G:(n + 1) * G] for n in range(D // G)]
         rail_of = topo.rail_of(np.arange(D))
         rail_members = [tuple(ep_ranks[i] for i in np.flatnonzero(rail_of == r)) for r in range(topo.rails_per_node)]
         timeout = group_timeout(ep_group)
-        node = _new_group(node_members[me // G], timeout)
+        node = node_group(ep_group, G)
         rail = _new_group(rail_members[int(rail_of[me])], timeout)
         _GROUPS[key] = (node, rail)
     return _GROUPS[key]
