@@ -43,6 +43,7 @@ from ..core.planners import make_planner
 from ..core.planners.step import choose, grow, replica_cost_tokens, route_on
 from ..core.policy import PolicyConfig
 from .comm import all_gather_counts, collective_device, make_comm
+from .comm.base import node_group
 from .expert_kind import ExpertKind
 from .experts import ExpertStore, ShardedExpertStore
 from .faults import maybe_fault
@@ -114,6 +115,8 @@ class LayerRuntime:
         # V: nodes the EP group spans (1: one node, or ranks_per_node not dividing it). Across nodes
         # a token's outputs add up node by node (runtime/units.py), deduplicated or not
         self.nodes = self.num_ranks // self.node_size if self.num_ranks % self.node_size == 0 else 1
+        if self.nodes > 1 and policy.dedup:  # the fan-out's group: made with the layer, on every EP
+            node_group(group, self.node_size)  # rank at the same point, not in the middle of a step
         self.units: Optional[NodeUnits] = None
         self.dedup: Optional[DedupExchange] = None
         self.store: Optional[ExpertStore] = None
