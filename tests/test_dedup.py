@@ -37,6 +37,15 @@ def test_parity_with_stock_dedup_on(comm):
     spawn(_parity_worker, 4, comm, max(4, int(8 * scale)))
 
 
+def test_training_with_recompute_across_nodes_matches_stock():
+    """Optimizer steps of accumulated microbatches (no_sync), each layer forward recomputed in
+    backward (Megatron's checkpoint), on 2 virtual nodes: the deduplicated exchange runs again
+    inside backward and the losses and weights after every step equal stock's (tests/test_lifecycle.py)."""
+    from test_lifecycle import _worker as lifecycle_worker
+
+    spawn(lifecycle_worker, 4, ("ultraep", "fsep"), True, True, False, 2)
+
+
 def _distinct_remote_nodes(routing_map_TE: torch.Tensor, rank: int, world: int, G: int) -> int:
     """The reference: (token, node) pairs of this rank's tokens on nodes other than its own, when
     expert e lives on rank e // (E / world) (stock placement)."""

@@ -19,7 +19,7 @@ STEPS, MICRO = 3, 4
 POLICIES = ("none", "eplb", "ultraep", "lp", "fsep")
 
 
-def _layers(world, policy, grow=False):
+def _layers(world, policy, grow=False, ranks_per_node=0):
     import megatron_rails
 
     torch.manual_seed(11)
@@ -27,7 +27,8 @@ def _layers(world, policy, grow=False):
     # grow: every replica that lowers the busiest rank is worth its bytes (the default cost, tens of
     # thousands of tokens, never pays at this size)
     megatron_rails.install({"policy": policy, "slots": 2, "comm": "direct", "tolerance": 0.0, "window": 2,
-                            "interval": 2, **({"replica_cost_tokens": 1} if grow else {})})
+                            "interval": 2, "ranks_per_node": ranks_per_node,
+                            **({"replica_cost_tokens": 1} if grow else {})})
     try:
         rails = build_moe_layer(moe_config(world, "alltoall", experts=E, hidden=H))
     finally:
@@ -49,14 +50,14 @@ def _batch(rank, step, micro, u):
     return x.view(T, 1, H)
 
 
-def _worker(rank, world, policies, accumulate, recompute, grow=False):
+def _worker(rank, world, policies, accumulate, recompute, grow=False, ranks_per_node=0):
     from megatron.core import tensor_parallel
 
     from megatron_rails import no_sync
 
     w = torch.linspace(-1, 1, T * H).view(T, 1, H)
     for policy in policies:
-        stock, rails, u = _layers(world, policy, grow)
+        stock, rails, u = _layers(world, policy, grow, ranks_per_node)
         disp = rails.token_dispatcher
         opts = {n: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for n, m in (("stock", stock),
                                                                                        ("rails", rails))}
