@@ -354,7 +354,7 @@ class LayerRuntime:
                                     f"token counts or planner state diverged")
 
     def _record(self, plan: Plan, counts_DE: np.ndarray, gather_us: float, plan_us: float, x_TH,
-                opened, fetched: int, units_DV: Optional[np.ndarray]) -> dict:
+                opened, fetched: int, units_DV: Optional[np.ndarray] = None) -> dict:
         token_bytes = x_TH.element_size() * x_TH.shape[-1]
         send = plan.send_DD
         # what the token exchange really moves: with dedup, stage 1's rows and the fan-out's
