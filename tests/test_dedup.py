@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from moe_harness import build_moe_layer, moe_config, spawn
-from test_dispatcher import POLICIES, _routing_input, _worker
+from test_dispatcher import POLICIES, _routing_input, _worker, forward_backward
 
 TOPKS = (1, 2, 4, 8)
 E, H, T = 8, 16, 12
@@ -86,12 +86,7 @@ def _on_off_worker(rank, world, comm, routings):
                 router_w = router0 + torch.tensor(np.outer(alpha, u), dtype=torch.float32)
                 outs = []
                 for layer in layers:
-                    layer.zero_grad(set_to_none=True)
-                    with torch.no_grad():
-                        layer.router.weight.copy_(router_w)
-                    x = x_np.clone().view(-1, 1, H).requires_grad_(True)
-                    out, _ = layer(x)
-                    (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+                    out, x = forward_backward(layer, x_np, router_w)
                     outs.append((out.detach(), x.grad.clone(), layer.router.weight.grad.clone()))
                     with torch.no_grad():
                         routing_map = layer.router(x.detach())[1].reshape(-1, E)

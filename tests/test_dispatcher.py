@@ -28,6 +28,18 @@ def _routing_input(rng, T, H, E, kind, u):
     return torch.tensor(x, dtype=torch.float32), alpha
 
 
+def forward_backward(layer, x_np, router_w):
+    """One forward and backward of `layer` on x_np [T, H] with router weights router_w: (output,
+    the input leaf with its gradient). The loss weighs every output element differently."""
+    layer.zero_grad(set_to_none=True)
+    with torch.no_grad():
+        layer.router.weight.copy_(router_w)
+    x = x_np.clone().view(-1, 1, x_np.shape[-1]).requires_grad_(True)
+    out, _ = layer(x)
+    (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+    return out, x
+
+
 def _worker(rank, world, policies, routings, seed, comm="direct", topk=2, dedup=True, require_spray=True):
     """Returns how many of each policy's exchanges RailS sprayed."""
     import megatron_rails
@@ -58,12 +70,7 @@ def _worker(rank, world, policies, routings, seed, comm="direct", topk=2, dedup=
             router_w = base_router + torch.tensor(np.outer(alpha, u), dtype=torch.float32)
             outs = []
             for layer in (stock, rails):
-                layer.zero_grad(set_to_none=True)
-                with torch.no_grad():
-                    layer.router.weight.copy_(router_w)
-                x = x_np.clone().view(-1, 1, H).requires_grad_(True)
-                out, _ = layer(x)
-                (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+                out, x = forward_backward(layer, x_np, router_w)
                 grads = {n: p.grad.clone() if p.grad is not None else torch.zeros_like(p)
                          for n, p in layer.named_parameters()}
                 store = getattr(layer.token_dispatcher, "store", None)
