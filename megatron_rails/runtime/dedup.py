@@ -130,9 +130,10 @@ class DedupExchange:
         remote = u.remote_R[by_unit]
         pos = torch.arange(lo, hi, device=dev)
         self.stream_pos = torch.cat([remote[:lo], pos, remote[lo:]])
-        node_R = so.dest_P[u.remote_R.cpu().numpy()] // self.G
+        dest_R = np.r_[so.dest_P[:lo], so.dest_P[hi:]]  # the remote pairs, on the host (no device sync)
+        node_R = dest_R // self.G
         first_unit_R = torch.from_numpy(_starts(u.units_V)[node_R]).to(dev)
-        code_R = torch.from_numpy(so.dest_P % self.G * S + so.slot_P).to(dev)[u.remote_R]
+        code_R = torch.from_numpy(dest_R % self.G * S + np.r_[so.slot_P[:lo], so.slot_P[hi:]]).to(dev)
         meta_R = torch.stack([u.unit_of_R - first_unit_R, u.level_R, code_R], dim=1)[by_unit]
         pad = torch.zeros((hi - lo, META), dtype=torch.int64, device=dev)
         self.meta = torch.cat([meta_R[:lo], pad, meta_R[lo:]])
