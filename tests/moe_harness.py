@@ -13,6 +13,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from megatron_rails.runtime.comm.base import leave
+
 
 def _entry(rank, world, store, fn, args, errq, megatron=True):
     torch.set_num_threads(1)
@@ -30,9 +32,8 @@ def _entry(rank, world, store, fn, args, errq, megatron=True):
     except BaseException:
         errq.put(f"rank {rank}:\n{traceback.format_exc()}")
         os._exit(1)  # do not wait in collectives that will never complete
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    # no interpreter finalization: a gloo thread finishing a collective then aborts the process
+    leave(0)
 
 
 def spawn(fn, world: int, *args, megatron: bool = True) -> None:

@@ -22,6 +22,7 @@ import torch.multiprocessing as mp
 
 from ..megatron import models
 from ..megatron.install import install, uninstall
+from ..runtime.comm.base import leave
 from ..runtime.residency import new_step
 
 SHAPE = dict(hidden=256, ffn=512, experts=8, topk=2, tokens=1024)
@@ -116,7 +117,7 @@ def _worker(rank, world, store, reps, warmup, out):
         with open(out, "w") as f:
             json.dump({"rows": rows, "fsep_weight_exchange": floor}, f)
     dist.barrier()
-    dist.destroy_process_group()
+    leave()  # ends the process: see runtime/comm/base.leave
 
 
 def _weight_exchange_ms(store, reps: int, warmup: int) -> dict:

@@ -30,6 +30,7 @@ import torch.multiprocessing as mp
 from ..core.policy import as_policy
 from ..megatron import models
 from ..megatron.install import install, uninstall
+from ..runtime.comm.base import leave
 from ..runtime.residency import no_sync
 from .dispatcher import _skew_router
 
@@ -181,7 +182,7 @@ def _worker(rank, world, store, shape, micro, reps, warmup, out):
         with open(out, "w") as f:
             json.dump(rows, f)
     dist.barrier()
-    dist.destroy_process_group()
+    leave()  # ends the process: see runtime/comm/base.leave
 
 
 def targets(rows: list[dict]) -> dict:

@@ -240,4 +240,6 @@ def cmd_trace(args) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(_worker())
+    from ..runtime.comm.base import leave
+
+    leave(_worker())  # no interpreter finalization after gloo collectives (see leave)

@@ -298,4 +298,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from ..runtime.comm.base import leave
+
+    leave(main())  # no interpreter finalization after gloo collectives (see leave)

@@ -91,6 +91,8 @@ def _dispatcher_worker(rank, world, store, steps, out, timeout_s):
     import torch
     import torch.distributed as dist
 
+    from ..runtime.comm.base import leave
+
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=timeout_s))  # a file rendezvous: no port to race for
@@ -157,7 +159,7 @@ def _dispatcher_worker(rank, world, store, steps, out, timeout_s):
     with open(f"{out}.{rank}", "w") as f:
         json.dump(res, f)
     dist.barrier()
-    dist.destroy_process_group()
+    leave()  # ends the process: see runtime/comm/base.leave
 
 
 def dispatcher_soak(steps: int = 200, world: int = 4, timeout_s: float = 300.0) -> dict:

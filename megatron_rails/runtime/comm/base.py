@@ -3,6 +3,9 @@ live, the group timeout, `CommError` for a failed collective, and what an exchan
 background (`Pending`, on a `side_group`) needs."""
 from __future__ import annotations
 
+import os
+import sys
+
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -53,6 +56,27 @@ def describe_failure(group, what: str, err: Exception) -> CommError:
     first = str(err).splitlines()[0] if str(err) else ""
     return CommError(f"rank {dist.get_rank()}: {what} over ranks {_short(ranks)} failed: a peer rank probably "
                      f"died or timed out ({type(err).__name__}: {first})")
+
+
+def leave(code: int = 0):
+    """End this rank's process now, with exit status `code`: destroy every process group, flush
+    stdout and stderr, and exit without interpreter finalization. For processes this project starts
+    (its spawned ranks and its torchrun entry points), after their last collective.
+
+    Why not a normal exit: a gloo worker thread drops its reference to a finished collective (and
+    the tensors it holds, which takes the GIL) after the caller already saw it complete. Under CPU
+    contention that can come after interpreter finalization began; the thread then exits inside a
+    noexcept frame and the process aborts ("terminate called without an active exception", SIGABRT;
+    a core dump of one of our 4-rank tests shows it, and pytorch/pytorch PR 179291 describes it).
+    gloo has no shutdown that joins those threads, so the only safe exit skips finalization."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # closed or redirected to a closed pipe: nothing to keep
+            pass
+    os._exit(code)
 
 
 class Pending:
