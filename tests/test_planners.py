@@ -299,3 +299,24 @@ def test_fsep_tolerance_uses_one_replica_per_expert_when_enough(prob, tol):
         assert np.array_equal(np.sort(plan.placement.replica_expert_R), np.arange(cfg.num_experts))
         assert load_D.max() * cfg.num_ranks <= (1 + tol) * load_D.sum() + 1e-9
         assert plan.weight_moves <= exact.weight_moves
+
+
+@pytest.mark.parametrize("D,E", [(2, 8), (4, 8), (4, 16), (8, 64)])
+def test_fsep_near_uniform_takes_megatrons_stock_layout(D, E):
+    """Within the tolerance, fsep materializes the stock layout: EP rank r's slots hold Megatron's
+    local experts r * E/D + i in order (its expert numbering), the spare slot stays free; a skew
+    beyond the tolerance leaves it."""
+    rng = np.random.default_rng(D * E)
+    counts = 1000 + rng.integers(0, 20, size=(D, E))  # within 5 % of uniform per rank
+    cfg = PlannerConfig(D, E, D, 1, tolerance=0.05)
+    plan, _ = make_planner("fsep", cfg).plan(counts)
+    check_plan(plan, cfg, counts)
+    per = E // D
+    megatron = np.array([[r * per + i for i in range(per)] for r in range(D)])
+    assert np.array_equal(plan.placement.slot_expert_DS[:, :per], megatron)
+    assert (plan.placement.slot_expert_DS[:, per:] == -1).all()
+    hot = counts.copy()
+    hot[:, 0] *= 3
+    skewed, _ = make_planner("fsep", cfg).plan(hot)
+    check_plan(skewed, cfg, hot)
+    assert not np.array_equal(skewed.placement.slot_expert_DS[:, :per], megatron)

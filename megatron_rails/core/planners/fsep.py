@@ -4,14 +4,16 @@ current counts. Every expert keeps at least one slot; beyond that replica counts
 (water-filling), replicas are packed LPT-style, and each expert's tokens are split evenly over its
 replicas, same-node replicas first.
 
-With a tolerance (PlannerConfig), one replica per expert is tried first: if that plan keeps
-max/mean tokens per rank within 1 + tolerance it is used, and fewer weights move; else every slot.
+With a tolerance (PlannerConfig), the stock layout is tried first (each expert once, on its stock
+owner, in expert order: the shards travel without reordering), then one replica per expert
+LPT-placed: the first that keeps max/mean tokens per rank within 1 + tolerance is used, and fewer
+weights move; else every slot.
 """
 from __future__ import annotations
 
 import numpy as np
 
-from ..plan import SHARDED, Placement, Plan
+from ..plan import SHARDED, Placement, Plan, owner_of_experts, stock_load_D
 from .base import PlannerBase, PlannerError, even_quotas
 from .packing import lpt_place, replica_counts
 
@@ -35,10 +37,24 @@ class FsepPlanner(PlannerBase):
         # one replica per expert, unless one expert alone already exceeds the tolerance
         total = int(load_E.sum())
         if cfg.tolerance and self.tolerated(int(load_E.max(initial=0)), total):
+            # the stock layout first: its slots, in (rank, slot) order, are the experts in order, so
+            # the store sends its shards as they lie and gets gradients back in place (no copies)
+            if self.tolerated(int(stock_load_D(counts, D).max(initial=0)), total):
+                return self._stock_plan(counts, load_E), None
             lean = self._plan(counts, load_E, one_E)
             if self.tolerated(int(lean.load_D.max(initial=0)), total):
                 return lean, None
         return self._plan(counts, load_E, replica_counts(load_E, D * C, one_E, D)), None
+
+    def _stock_plan(self, counts: np.ndarray, load_E: np.ndarray) -> Plan:
+        """Every expert once, on its stock owner, in expert order (still materialized from shards)."""
+        cfg = self.cfg
+        D, E, C = cfg.num_ranks, cfg.num_experts, cfg.total_slots
+        owner_E = owner_of_experts(E, D)
+        first_D = np.searchsorted(owner_E, np.arange(D))
+        slot_DS = np.full((D, C), -1, dtype=np.int64)
+        slot_DS[owner_E, np.arange(E) - first_D[owner_E]] = np.arange(E)
+        return self._finish(counts, load_E, slot_DS, replicas=E, unplaced=0)
 
     def _plan(self, counts: np.ndarray, load_E: np.ndarray, n_E: np.ndarray) -> Plan:
         """The plan with n_E replicas of every expert, LPT-placed."""
@@ -60,8 +76,14 @@ class FsepPlanner(PlannerBase):
         starts = np.r_[0, np.cumsum(np.bincount(r, minlength=D))[:-1]]
         slot[by_rank] = np.arange(r.size) - starts[r[by_rank]]
         slot_DS[r, slot] = e
-        placement = Placement(slot_DS, E, cfg.ranks_per_node, SHARDED, 0)
+        return self._finish(counts, load_E, slot_DS, replicas=int(placed.sum()), unplaced=int((~placed).sum()))
+
+    def _finish(self, counts: np.ndarray, load_E: np.ndarray, slot_DS: np.ndarray, replicas: int,
+                unplaced: int) -> Plan:
+        """The plan on slot_DS (int64 [D, C], -1 free): every expert's tokens split evenly over its slots."""
+        cfg = self.cfg
+        placement = Placement(slot_DS, cfg.num_experts, cfg.ranks_per_node, SHARDED, 0)
         quota = even_quotas(load_E, placement.expert_ptr)
         return Plan.from_quotas(placement, counts, quota, policy=self.name,
-                                info={"slots_per_rank": C, "unplaced_replicas": int((~placed).sum()),
-                                      "replicas": int(placed.sum())})
+                                info={"slots_per_rank": cfg.total_slots, "unplaced_replicas": unplaced,
+                                      "replicas": replicas})
