@@ -140,3 +140,35 @@ def test_grown_placement_matches_stock(recompute):
     """Replicas added to the resident placement mid-step (at a cost every gain pays) are fetched as
     a second part of the window, computed, and their gradients returned with the rest: exact."""
     spawn(_worker, 2, ("ultraep", "lp", "fsep"), True, recompute, True)
+
+
+def _dropped_worker(rank, world):
+    import gc
+
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from megatron_rails import no_sync
+    from megatron_rails.runtime import residency
+
+    _, rails, u = _layers(world, "fsep")
+    with no_sync():  # the slots' gradients stay owed
+        rails(_batch(rank, 0, 0, u))[0].sum().backward()
+    shards = rails.token_dispatcher.store.shards
+    assert shards.grad is None
+    if rank == 0:  # this rank drops its model while it owes; the garbage collector runs here only
+        del rails, shards
+        gc.collect()
+    residency.flush_pending()  # a collective every rank must join
+    if rank == 1:  # the owed gradients arrived (rank 0's share of its shards included)
+        assert shards.grad is not None and shards.grad.abs().sum() > 0
+    # the EP group's collectives still pair up: this all-reduce meets the same on every rank
+    got = torch.tensor([float(rank + 1)])
+    dist.all_reduce(got, group=ps.get_expert_model_parallel_group())
+    assert got.item() == world * (world + 1) / 2
+
+
+def test_a_model_dropped_while_owing_gradients_still_joins_the_flush():
+    """Owed slot gradients go back by a collective; a rank whose garbage collector already took
+    the model must still take part, or the ranks' collectives stop pairing up."""
+    spawn(_dropped_worker, 2)

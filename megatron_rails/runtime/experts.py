@@ -119,6 +119,7 @@ class ExpertStore:
                 residency.stale_warning(self)
             self.window.weights()  # a fetch still running completes on every rank (collective)
         self.window = None
+        residency.settled(self)
 
     def _flat(self, expert: int) -> torch.Tensor:
         """float [W]: owner expert's parameters as one vector (a copy)."""
@@ -209,6 +210,7 @@ class ExpertStore:
                                       np.ascontiguousarray(r["traffic_DD"].T)))
             start += n
         window.acc_NW, window.pending = None, False
+        residency.settled(self)
         return back
 
     @torch.no_grad()
@@ -444,6 +446,7 @@ class ShardedExpertStore(ExpertStore):
             grad = back.view(self.shards.shape) if r["idx"] is None else r["idx"].scatter(back)
             total = grad if total is None else total.add_(grad)
         window.acc_NW, window.pending = None, False
+        residency.settled(self)
         return total
 
     @torch.no_grad()

@@ -29,7 +29,6 @@ from __future__ import annotations
 import contextlib
 import threading
 import warnings
-import weakref
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -41,7 +40,11 @@ from ..core.plan import Placement
 
 _gate = threading.local()
 _epoch = 0
-_stores: list = []  # weak references to every store, in creation order (identical on every rank)
+# the stores whose window owes gradients, in the order they came to owe them (the backward order:
+# identical on every rank). Strong references: a store dropped while it owes must still join the
+# flush on every rank; were it weakly held, each rank's garbage collector would decide alone whether
+# it is still there, and one rank's collective would find no partner on another
+_owing: dict = {}
 _hooks = None
 
 
@@ -73,18 +76,25 @@ def epoch() -> int:
 def flush_pending() -> None:
     """Return every store's accumulated slot gradients now (collective over each EP group; every rank
     must call it at the same point). Adds into `main_grad` where the framework keeps one, else `.grad`."""
-    for ref in list(_stores):
-        store = ref()
-        if store is None:
-            _stores.remove(ref)
-        elif store.window is not None and store.window.pending:
+    for store in list(_owing.values()):
+        if store.window is not None and store.window.pending:
             store.flush(store.window, in_graph=False)
+        settled(store)
+
+
+def owes(store) -> None:
+    """`store`'s window holds gradients not yet returned: flush_pending() will return them."""
+    _owing.setdefault(id(store), store)
+
+
+def settled(store) -> None:
+    """`store` owes nothing any more (returned, or dropped with its window)."""
+    _owing.pop(id(store), None)
 
 
 def register(store) -> None:
-    """Track a store for flush_pending(), and hook the optimizers once per process."""
+    """Hook the optimizers once per process (flush_pending before every step, new_step after)."""
     global _hooks
-    _stores.append(weakref.ref(store))
     if _hooks is None:
         opt = torch_optimizer
         _hooks = (opt.register_optimizer_step_pre_hook(lambda *_: flush_pending()),
@@ -206,6 +216,7 @@ class ResidentSlots(torch.autograd.Function):
         # every rank ran this backward: whether anything is owed is the same everywhere (the node
         # exists on every rank whenever any rank holds a moved slot)
         window.pending = True
+        owes(store)
         if syncing() and not store.defer_flush:
             source_grads = store.flush(window, in_graph=True)
         else:
