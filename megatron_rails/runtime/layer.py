@@ -48,7 +48,7 @@ from .expert_kind import ExpertKind
 from .experts import ExpertStore, ShardedExpertStore
 from .faults import maybe_fault
 from .dedup import DedupExchange, fanout_DD
-from .local import SendOrder, order_pairs, receive_order, rows, sum_pairs
+from .local import SendOrder, pairs_per_token_even, receive_order, rows, send_order, sum_pairs
 from .units import NodeUnits, node_units
 
 METRICS_KEPT = 10_000  # per-layer metric records kept (one per microbatch step)
@@ -145,7 +145,11 @@ class LayerRuntime:
         gradients will be owed; default: autograd is recording), which pins the resident placement
         until the optimizer step."""
         t0 = time.perf_counter()
-        counts_DE = all_gather_counts(routing_map.sum(dim=0), self.group)
+        E = routing_map.shape[1]
+        # every rank's counts, and this rank's fewest / most pairs per token with them: one sync
+        gathered = all_gather_counts(torch.cat([routing_map.sum(dim=0).to(torch.int64),
+                                                pairs_per_token_even(routing_map)]), self.group)
+        counts_DE, (lo, hi) = gathered[:, :E], gathered[self.rank, E:]
         t1 = time.perf_counter()
         replay = is_replay()
         self.store.refresh()
@@ -164,7 +168,7 @@ class LayerRuntime:
             window.in_flight += 1  # its backward (ResidentSlots') counts it off
             window.forwards += 1
         self.plan = plan
-        self.sent = order_pairs(plan, self.rank, routing_map, probs)
+        self.sent = send_order(plan, self.rank, routing_map, probs, uniform=bool(lo == hi))
         units_DV = self._node_units(x_TH.shape[0])
         record = None if replay else self._record(plan, counts_DE, (t1 - t0) * 1e6, (t2 - t1) * 1e6, x_TH, opened,
                                                   fetched, units_DV)

@@ -8,6 +8,7 @@ permutation, M route entries.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -46,41 +47,100 @@ def segment_order(lengths: np.ndarray, seg_order: np.ndarray) -> np.ndarray:
     return np.repeat(S - (np.cumsum(L) - L), L) + np.arange(int(L.sum()), dtype=np.int64)
 
 
-def order_pairs(plan, me: int, routing_map: torch.Tensor, probs: torch.Tensor) -> SendOrder:
-    """Rank `me`'s token-expert pairs (routing_map bool [T, E], probs [T, E]) in the plan's send order."""
+def pairs_per_token_even(routing_map: torch.Tensor) -> torch.Tensor:
+    """int64 [2] on the map's device: (min, max) pairs per token, [0, 0] without tokens. Queued
+    with the token counts' all-gather so that the send order needs no sync of its own."""
+    if routing_map.shape[0] == 0:
+        return torch.zeros(2, dtype=torch.int64, device=routing_map.device)
+    return torch.stack(torch.aminmax(routing_map.sum(dim=1))).to(torch.int64)
+
+
+def _runs(plan, me: int) -> tuple:
+    """This rank's route row, host side: (runs in send order (int64 [M] positions into the row),
+    tokens per run in row order (int64 [M]), destination rank and slot of every run (int64 [M])).
+    The row lists this rank's replicas in (expert, rank) order, one run of pairs each, and those
+    runs cut the stock (expert-major, token-minor) pair stream in turn; sending by (destination,
+    slot), token order kept, is a stable reorder of the runs."""
     p = plan.placement
-    dev = routing_map.device
     ptr, rep_M, tok_M = plan.route
     row = slice(ptr[me], ptr[me + 1])
-    # pairs in expert-major, token-minor order (the stock permutation order); the route row lists
-    # this rank's replicas in (expert, rank) order, one run of pairs each: sending by (destination,
-    # slot), token order kept, is a stable reorder of those runs
-    T, E = routing_map.shape
-    lo_hi = torch.stack(torch.aminmax(routing_map.sum(dim=1))) if T else None  # queued before nonzero's sync
-    e_P, t_P = routing_map.T.nonzero(as_tuple=True)
     rep = rep_M[row]
     dest, slot = p.replica_rank_R[rep], p.replica_slot_R[rep]
     runs = np.argsort(dest * p.slots_per_rank + slot, kind="stable")
-    order = torch.from_numpy(segment_order(tok_M[row], runs)).to(dev)
-    token_P, e_sent = t_P[order], e_P[order]
-    probs_P = probs[token_P, e_sent]
-    P = token_P.numel()
-    # every token has the same number k of pairs (top-k routing without drops): the combine sums
-    # each token's k outputs as a [T, k, H] reduction instead of scattered adds. by_token lists
-    # the send positions of every token's pairs, token-major: a [T, E] table of positions (P where
-    # not routed) whose k smallest per row are the token's pairs
+    return runs, np.asarray(tok_M[row], dtype=np.int64), dest, slot
+
+
+def _send_order(plan, me: int, token_P, e_P, probs, T: int, E: int, uniform: bool, pos_ET=None) -> SendOrder:
+    """The SendOrder of pairs already in send order (token_P, e_P int64 [P] on the device).
+    uniform: every token has the same number k of pairs (top-k routing without drops): the combine
+    then sums each token's k outputs as a [T, k, H] reduction instead of scattered adds; by_token
+    lists the send positions of every token's pairs, token-major: the k smallest per row of a
+    [T, E] table of positions (P where not routed), pos_ET's transpose when given."""
+    runs, n_M, dest, slot = _runs(plan, me)
+    P = int(n_M.sum())
     k = P // T if T else 0
     by_token = None
-    if k:
+    if k and uniform:
+        if pos_ET is None:
+            pos_TE = torch.full((T, E), P, dtype=torch.int64, device=token_P.device)
+            pos_TE[token_P, e_P] = torch.arange(P, device=token_P.device)
+        else:
+            pos_TE = pos_ET.T
+        by_token = (pos_TE.sort(dim=1).values[:, :k] if k < E else pos_TE).reshape(-1)
+    send_D = np.bincount(dest, weights=n_M, minlength=plan.send_DD.shape[0]).astype(np.int64).tolist()
+    return SendOrder(token_P, probs[token_P, e_P], send_D, plan.send_DD[:, me].tolist(), by_token, k,
+                     np.repeat(dest[runs], n_M[runs]), np.repeat(slot[runs], n_M[runs]))
+
+
+def order_pairs(plan, me: int, routing_map: torch.Tensor, probs: torch.Tensor,
+                uniform: Optional[bool] = None) -> SendOrder:
+    """Rank `me`'s token-expert pairs (routing_map bool [T, E], probs [T, E]) in the plan's send
+    order, the order made on the host: the stock pair stream (nonzero: a device sync), reordered by
+    a host-made permutation copied over. uniform: whether every token has the same number of pairs
+    (pairs_per_token_even; None: found here, another sync)."""
+    T, E = routing_map.shape
+    lo_hi = pairs_per_token_even(routing_map) if uniform is None else None  # queued before nonzero's sync
+    e_P, t_P = routing_map.T.nonzero(as_tuple=True)
+    runs, n_M, _, _ = _runs(plan, me)
+    order = torch.from_numpy(segment_order(n_M, runs)).to(routing_map.device)
+    if uniform is None:
         lo, hi = lo_hi.tolist()
-        if lo == hi:
-            pos_TE = torch.full((T, E), P, dtype=torch.int64, device=dev)
-            pos_TE[token_P, e_sent] = torch.arange(P, device=dev)
-            by_token = (pos_TE.sort(dim=1).values[:, :k] if k < E else pos_TE).reshape(-1)
-    n_run = tok_M[row][runs]
-    send_D = np.bincount(dest, weights=tok_M[row], minlength=plan.send_DD.shape[0]).astype(np.int64).tolist()
-    return SendOrder(token_P, probs_P, send_D, plan.send_DD[:, me].tolist(), by_token, k,
-                     np.repeat(dest[runs], n_run), np.repeat(slot[runs], n_run))
+        uniform = lo == hi
+    return _send_order(plan, me, t_P[order], e_P[order], probs, T, E, uniform)
+
+
+def order_pairs_on_device(plan, me: int, routing_map: torch.Tensor, probs: torch.Tensor,
+                          uniform: bool) -> SendOrder:
+    """order_pairs with the order made on the map's device and no device sync: a pair's place in
+    the stock stream comes from per-expert running counts of the map, its run from a search in the
+    runs' ends, its send position from the run's shift; the per-plan table (two int64 [M]: run ends
+    in the stream, send start minus stream start) is the only copy, non-blocking from pinned memory
+    on CUDA. Same result as order_pairs, tensor for tensor."""
+    dev = routing_map.device
+    T, E = routing_map.shape
+    runs, n_M, _, _ = _runs(plan, me)
+    P = int(n_M.sum())
+    if P == 0:
+        none = torch.zeros(0, dtype=torch.int64, device=dev)
+        return _send_order(plan, me, none, none, probs, T, E, uniform)
+    begin_M = np.cumsum(n_M) - n_M
+    send_begin_M = np.empty_like(n_M)
+    send_begin_M[runs] = np.cumsum(n_M[runs]) - n_M[runs]
+    table = torch.from_numpy(np.stack([begin_M + n_M, send_begin_M - begin_M]))
+    if dev.type == "cuda":
+        table = table.pin_memory()
+    end_M, shift_M = table.to(dev, non_blocking=True).unbind(0)
+    routed_ET = routing_map.T
+    running_ET = routed_ET.to(torch.int64).cumsum(dim=1)  # pairs of each expert up to each token
+    per_E = running_ET[:, -1]
+    stream_ET = running_ET - 1 + (per_E.cumsum(0) - per_E).unsqueeze(1)  # place in the stock stream
+    run_ET = torch.searchsorted(end_M, stream_ET, right=True).clamp_(max=n_M.size - 1)
+    pos_ET = torch.where(routed_ET, stream_ET + shift_M[run_ET], P)  # P: not routed (a dump row)
+    t_ET = torch.arange(T, device=dev).expand(E, T)
+    e_ET = torch.arange(E, device=dev).unsqueeze(1).expand(E, T)
+    token_P = torch.empty(P + 1, dtype=torch.int64, device=dev).scatter_(0, pos_ET.reshape(-1), t_ET.reshape(-1))
+    e_P = torch.empty(P + 1, dtype=torch.int64, device=dev).scatter_(0, pos_ET.reshape(-1), e_ET.reshape(-1))
+    return _send_order(plan, me, token_P[:P], e_P[:P], probs, T, E, uniform, pos_ET)
 
 
 def sum_pairs(y_P: torch.Tensor, so: SendOrder, T: int) -> torch.Tensor:
@@ -129,3 +189,18 @@ class _PermuteRows(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return grad.index_select(0, ctx.inverse), None, None
+
+
+SEND_ORDER_ENV = "MEGATRON_RAILS_SEND_ORDER"  # auto (device path on CUDA), device, host
+
+
+def send_order(plan, me: int, routing_map: torch.Tensor, probs: torch.Tensor, uniform: bool) -> SendOrder:
+    """The dispatcher's send order: made on the device for CUDA maps (no sync), on the host for CPU
+    ones (cheaper there; no device to wait for). $MEGATRON_RAILS_SEND_ORDER=device / host forces
+    one path (tests run the device path on CPU this way)."""
+    how = os.environ.get(SEND_ORDER_ENV, "auto")
+    if how not in ("auto", "device", "host"):
+        raise ValueError(f"{SEND_ORDER_ENV}={how!r}: expected auto, device or host")
+    if how == "device" or (how == "auto" and routing_map.is_cuda):
+        return order_pairs_on_device(plan, me, routing_map, probs, uniform)
+    return order_pairs(plan, me, routing_map, probs, uniform)
