@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import tempfile
 import traceback
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -16,18 +17,25 @@ import torch.multiprocessing as mp
 from megatron_rails.runtime.comm.base import leave
 
 
+# a collective no peer joins (a rank skipping one: the bug class these tests look for) fails the
+# test after this long instead of torch's 30 minutes; a step here takes seconds
+TIMEOUT = timedelta(minutes=5)
+
+
 def _entry(rank, world, store, fn, args, errq, megatron=True):
     torch.set_num_threads(1)
     try:
         # rendezvous through a file: no port picked in advance that another process could take
-        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+                                timeout=TIMEOUT)
         if megatron:
             from megatron_rails.megatron import cpu_shims
 
             cpu_shims.apply()
             from megatron.core import parallel_state as ps
 
-            ps.initialize_model_parallel(expert_model_parallel_size=world)
+            ps.initialize_model_parallel(expert_model_parallel_size=world,
+                                         distributed_timeout_minutes=int(TIMEOUT.total_seconds() // 60))
         fn(rank, world, *args)
     except BaseException:
         errq.put(f"rank {rank}:\n{traceback.format_exc()}")
