@@ -7,7 +7,7 @@ import torch
 
 from megatron_rails.bench.local import bench_local
 from megatron_rails.core.policy import PolicyConfig
-from megatron_rails.runtime.local import (order_pairs, order_pairs_on_device, pairs_per_token_even, receive_order,
+from megatron_rails.runtime.local import (order_pairs, order_pairs_on_device, pairs_per_token_range, receive_order,
                                           rows, segment_order, sum_pairs)
 from megatron_rails.core.planners import make_planner
 
@@ -75,9 +75,9 @@ def test_order_pairs_and_sum_pairs(policy):
             ref[t] += y[i].numpy()
         uniform = T > 0 and bool((rmap.sum(dim=1) == rmap.sum(dim=1)[0]).all()) and rmap.any()
         assert (so.by_token is not None) == uniform
-        # the order made on the device (no sync), told what pairs_per_token_even's gather says:
+        # the order made on the device (no sync), told what pairs_per_token_range's gather says:
         # the same tensors, and the same host-side destinations
-        lo, hi = pairs_per_token_even(rmap).tolist()
+        lo, hi = pairs_per_token_range(rmap).tolist()
         dev = order_pairs_on_device(plan, me, rmap, probs, uniform=lo == hi)
         assert torch.equal(dev.token_P, so.token_P) and torch.equal(dev.probs_P, so.probs_P)
         assert (dev.by_token is None) == (so.by_token is None)

@@ -25,7 +25,7 @@ import torch
 
 from ..core.errors import InputError
 from ..core.policy import PolicyConfig
-from ..runtime.local import pairs_per_token_even, receive_order, rows, send_order, sum_pairs
+from ..runtime.local import pairs_per_token_range, receive_order, rows, send_order, sum_pairs
 from ..core.planners import make_planner
 
 # Mixtral 8x7B / 8x22B: hidden 4096 / 6144, 8 experts top-2; a 4096-token sequence per rank, EP 8
@@ -95,7 +95,7 @@ def _rows_for(policy: str, skew: str, shape: dict, dtype, device, reps: int, syn
     y_back = torch.randn(P, H, dtype=dtype, device=device)
     state_ours = {}
     # what the runtime learns with the count all-gather (outside the timed work, as that gather is)
-    lo, hi = pairs_per_token_even(rmap).tolist()
+    lo, hi = pairs_per_token_range(rmap).tolist()
 
     def ours_dispatch():
         so = send_order(plan, me, rmap, probs, uniform=lo == hi)  # made on the device on CUDA

@@ -48,7 +48,7 @@ from .expert_kind import ExpertKind
 from .experts import ExpertStore, ShardedExpertStore
 from .faults import maybe_fault
 from .dedup import DedupExchange, fanout_DD
-from .local import SendOrder, pairs_per_token_even, receive_order, rows, send_order, sum_pairs
+from .local import SendOrder, pairs_per_token_range, receive_order, rows, send_order, sum_pairs
 from .units import NodeUnits, node_units
 
 METRICS_KEPT = 10_000  # per-layer metric records kept (one per microbatch step)
@@ -148,7 +148,7 @@ class LayerRuntime:
         E = routing_map.shape[1]
         # every rank's counts, and this rank's fewest / most pairs per token with them: one sync
         gathered = all_gather_counts(torch.cat([routing_map.sum(dim=0).to(torch.int64),
-                                                pairs_per_token_even(routing_map)]), self.group)
+                                                pairs_per_token_range(routing_map)]), self.group)
         counts_DE, (lo, hi) = gathered[:, :E], gathered[self.rank, E:]
         t1 = time.perf_counter()
         replay = is_replay()

@@ -47,7 +47,7 @@ def segment_order(lengths: np.ndarray, seg_order: np.ndarray) -> np.ndarray:
     return np.repeat(S - (np.cumsum(L) - L), L) + np.arange(int(L.sum()), dtype=np.int64)
 
 
-def pairs_per_token_even(routing_map: torch.Tensor) -> torch.Tensor:
+def pairs_per_token_range(routing_map: torch.Tensor) -> torch.Tensor:
     """int64 [2] on the map's device: (min, max) pairs per token, [0, 0] without tokens. Queued
     with the token counts' all-gather so that the send order needs no sync of its own."""
     if routing_map.shape[0] == 0:
@@ -97,9 +97,9 @@ def order_pairs(plan, me: int, routing_map: torch.Tensor, probs: torch.Tensor,
     """Rank `me`'s token-expert pairs (routing_map bool [T, E], probs [T, E]) in the plan's send
     order, the order made on the host: the stock pair stream (nonzero: a device sync), reordered by
     a host-made permutation copied over. uniform: whether every token has the same number of pairs
-    (pairs_per_token_even; None: found here, another sync)."""
+    (pairs_per_token_range; None: found here, another sync)."""
     T, E = routing_map.shape
-    lo_hi = pairs_per_token_even(routing_map) if uniform is None else None  # queued before nonzero's sync
+    lo_hi = pairs_per_token_range(routing_map) if uniform is None else None  # queued before nonzero's sync
     e_P, t_P = routing_map.T.nonzero(as_tuple=True)
     runs, n_M, _, _ = _runs(plan, me)
     order = torch.from_numpy(segment_order(n_M, runs)).to(routing_map.device)
