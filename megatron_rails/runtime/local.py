@@ -70,13 +70,15 @@ def _runs(plan, me: int) -> tuple:
     return runs, np.asarray(tok_M[row], dtype=np.int64), dest, slot
 
 
-def _send_order(plan, me: int, token_P, e_P, probs, T: int, E: int, uniform: bool, pos_ET=None) -> SendOrder:
-    """The SendOrder of pairs already in send order (token_P, e_P int64 [P] on the device).
+def _send_order(plan, me: int, runs_of_me: tuple, token_P, e_P, probs, T: int, E: int, uniform: bool,
+                pos_ET=None) -> SendOrder:
+    """The SendOrder of pairs already in send order (token_P, e_P int64 [P] on the device);
+    runs_of_me: _runs(plan, me).
     uniform: every token has the same number k of pairs (top-k routing without drops): the combine
     then sums each token's k outputs as a [T, k, H] reduction instead of scattered adds; by_token
     lists the send positions of every token's pairs, token-major: the k smallest per row of a
     [T, E] table of positions (P where not routed), pos_ET's transpose when given."""
-    runs, n_M, dest, slot = _runs(plan, me)
+    runs, n_M, dest, slot = runs_of_me
     P = int(n_M.sum())
     k = P // T if T else 0
     by_token = None
@@ -101,12 +103,13 @@ def order_pairs(plan, me: int, routing_map: torch.Tensor, probs: torch.Tensor,
     T, E = routing_map.shape
     lo_hi = pairs_per_token_range(routing_map) if uniform is None else None  # queued before nonzero's sync
     e_P, t_P = routing_map.T.nonzero(as_tuple=True)
-    runs, n_M, _, _ = _runs(plan, me)
+    runs_of_me = _runs(plan, me)
+    runs, n_M = runs_of_me[:2]
     order = torch.from_numpy(segment_order(n_M, runs)).to(routing_map.device)
     if uniform is None:
         lo, hi = lo_hi.tolist()
         uniform = lo == hi
-    return _send_order(plan, me, t_P[order], e_P[order], probs, T, E, uniform)
+    return _send_order(plan, me, runs_of_me, t_P[order], e_P[order], probs, T, E, uniform)
 
 
 def order_pairs_on_device(plan, me: int, routing_map: torch.Tensor, probs: torch.Tensor,
@@ -118,11 +121,12 @@ def order_pairs_on_device(plan, me: int, routing_map: torch.Tensor, probs: torch
     on CUDA. Same result as order_pairs, tensor for tensor."""
     dev = routing_map.device
     T, E = routing_map.shape
-    runs, n_M, _, _ = _runs(plan, me)
+    runs_of_me = _runs(plan, me)
+    runs, n_M = runs_of_me[:2]
     P = int(n_M.sum())
     if P == 0:
         none = torch.zeros(0, dtype=torch.int64, device=dev)
-        return _send_order(plan, me, none, none, probs, T, E, uniform)
+        return _send_order(plan, me, runs_of_me, none, none, probs, T, E, uniform)
     begin_M = np.cumsum(n_M) - n_M
     send_begin_M = np.empty_like(n_M)
     send_begin_M[runs] = np.cumsum(n_M[runs]) - n_M[runs]
@@ -140,7 +144,7 @@ def order_pairs_on_device(plan, me: int, routing_map: torch.Tensor, probs: torch
     e_ET = torch.arange(E, device=dev).unsqueeze(1).expand(E, T)
     token_P = torch.empty(P + 1, dtype=torch.int64, device=dev).scatter_(0, pos_ET.reshape(-1), t_ET.reshape(-1))
     e_P = torch.empty(P + 1, dtype=torch.int64, device=dev).scatter_(0, pos_ET.reshape(-1), e_ET.reshape(-1))
-    return _send_order(plan, me, token_P[:P], e_P[:P], probs, T, E, uniform, pos_ET)
+    return _send_order(plan, me, runs_of_me, token_P[:P], e_P[:P], probs, T, E, uniform, pos_ET)
 
 
 def sum_pairs(y_P: torch.Tensor, so: SendOrder, T: int) -> torch.Tensor:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..plan import SHARDED, Placement, Plan, owner_of_experts, stock_load_D
+from ..plan import SHARDED, Placement, Plan, _owner_template, stock_load_D
 from .base import PlannerBase, PlannerError, even_quotas
 from .packing import lpt_place, replica_counts
 
@@ -49,12 +49,8 @@ class FsepPlanner(PlannerBase):
     def _stock_plan(self, counts: np.ndarray, load_E: np.ndarray) -> Plan:
         """Every expert once, on its stock owner, in expert order (still materialized from shards)."""
         cfg = self.cfg
-        D, E, C = cfg.num_ranks, cfg.num_experts, cfg.total_slots
-        owner_E = owner_of_experts(E, D)
-        first_D = np.searchsorted(owner_E, np.arange(D))
-        slot_DS = np.full((D, C), -1, dtype=np.int64)
-        slot_DS[owner_E, np.arange(E) - first_D[owner_E]] = np.arange(E)
-        return self._finish(counts, load_E, slot_DS, replicas=E, unplaced=0)
+        slot_DS = _owner_template(cfg.num_experts, cfg.num_ranks, cfg.slots)  # cached, read-only
+        return self._finish(counts, load_E, slot_DS, replicas=cfg.num_experts, unplaced=0)
 
     def _plan(self, counts: np.ndarray, load_E: np.ndarray, n_E: np.ndarray) -> Plan:
         """The plan with n_E replicas of every expert, LPT-placed."""
