@@ -17,11 +17,13 @@ import torch
 
 
 def permutation_and_inverse(order_N: np.ndarray, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """A permutation (numpy) and its inverse as int64 tensors on `device`, in one host-to-device copy."""
-    both = np.empty((2, order_N.size), dtype=np.int64)
-    both[0] = order_N
-    both[1, order_N] = np.arange(order_N.size)
-    order_t, inverse_t = torch.from_numpy(both).to(device).unbind(0)
+    """A permutation (numpy) and its inverse as int64 tensors on `device`, in one host-to-device copy
+    (on CUDA from pinned memory, not waiting for the device)."""
+    both = torch.empty((2, order_N.size), dtype=torch.int64, pin_memory=torch.device(device).type == "cuda")
+    both_np = both.numpy()
+    both_np[0] = order_N
+    both_np[1, order_N] = np.arange(order_N.size)
+    order_t, inverse_t = both.to(device, non_blocking=True).unbind(0)
     return order_t, inverse_t
 
 
@@ -35,8 +37,29 @@ class SendOrder:
     recv_D: list  # and in
     by_token: Optional[torch.Tensor]  # pair positions grouped by token, when every token has k pairs
     k: int
-    dest_P: np.ndarray  # int64 [P] (host): the destination EP rank of every pair
-    slot_P: np.ndarray  # int64 [P] (host): its slot there
+    runs: "_RunsOfPairs"  # the pairs' destinations, by run (host)
+
+    @property
+    def dest_P(self) -> np.ndarray:
+        """int64 [P] (host): the destination EP rank of every pair (made when first asked for)."""
+        return self.runs.expand("dest")
+
+    @property
+    def slot_P(self) -> np.ndarray:
+        """int64 [P] (host): its slot there."""
+        return self.runs.expand("slot")
+
+
+@dataclass
+class _RunsOfPairs:
+    """The send order's runs (int64 [M] each, in send order): destination rank, slot, pairs; their
+    per-pair expansion is made only for the paths that need it (dedup)."""
+    dest_M: np.ndarray
+    slot_M: np.ndarray
+    n_M: np.ndarray
+
+    def expand(self, what: str) -> np.ndarray:
+        return np.repeat(self.dest_M if what == "dest" else self.slot_M, self.n_M)
 
 
 def segment_order(lengths: np.ndarray, seg_order: np.ndarray) -> np.ndarray:
@@ -70,10 +93,10 @@ def _runs(plan, me: int) -> tuple:
     return runs, np.asarray(tok_M[row], dtype=np.int64), dest, slot
 
 
-def _send_order(plan, me: int, runs_of_me: tuple, token_P, e_P, probs, T: int, E: int, uniform: bool,
+def _send_order(plan, me: int, runs_of_me: tuple, flat_P, probs, T: int, E: int, uniform: bool,
                 pos_ET=None) -> SendOrder:
-    """The SendOrder of pairs already in send order (token_P, e_P int64 [P] on the device);
-    runs_of_me: _runs(plan, me).
+    """The SendOrder of pairs already in send order, given as flat_P (int64 [P] on the device:
+    token * E + expert, an index into the [T, E] map); runs_of_me: _runs(plan, me).
     uniform: every token has the same number k of pairs (top-k routing without drops): the combine
     then sums each token's k outputs as a [T, k, H] reduction instead of scattered adds; by_token
     lists the send positions of every token's pairs, token-major: the k smallest per row of a
@@ -84,14 +107,16 @@ def _send_order(plan, me: int, runs_of_me: tuple, token_P, e_P, probs, T: int, E
     by_token = None
     if k and uniform:
         if pos_ET is None:
-            pos_TE = torch.full((T, E), P, dtype=torch.int64, device=token_P.device)
-            pos_TE[token_P, e_P] = torch.arange(P, device=token_P.device)
+            pos_TE = torch.full((T * E,), P, dtype=torch.int64, device=flat_P.device)
+            pos_TE[flat_P] = torch.arange(P, device=flat_P.device)
+            pos_TE = pos_TE.view(T, E)
         else:
             pos_TE = pos_ET.T
-        by_token = (pos_TE.sort(dim=1).values[:, :k] if k < E else pos_TE).reshape(-1)
+        # ascending: the k smallest are the routed ones (each token's, in send order)
+        by_token = (pos_TE.topk(k, dim=1, largest=False, sorted=True).values if k < E else pos_TE).reshape(-1)
     send_D = np.bincount(dest, weights=n_M, minlength=plan.send_DD.shape[0]).astype(np.int64).tolist()
-    return SendOrder(token_P, probs[token_P, e_P], send_D, plan.send_DD[:, me].tolist(), by_token, k,
-                     np.repeat(dest[runs], n_M[runs]), np.repeat(slot[runs], n_M[runs]))
+    return SendOrder(torch.div(flat_P, E, rounding_mode="floor"), probs.reshape(-1)[flat_P], send_D,
+                     plan.send_DD[:, me].tolist(), by_token, k, _RunsOfPairs(dest[runs], slot[runs], n_M[runs]))
 
 
 def order_pairs(plan, me: int, routing_map: torch.Tensor, probs: torch.Tensor,
@@ -109,16 +134,29 @@ def order_pairs(plan, me: int, routing_map: torch.Tensor, probs: torch.Tensor,
     if uniform is None:
         lo, hi = lo_hi.tolist()
         uniform = lo == hi
-    return _send_order(plan, me, runs_of_me, t_P[order], e_P[order], probs, T, E, uniform)
+    return _send_order(plan, me, runs_of_me, (t_P * E + e_P)[order], probs, T, E, uniform)
+
+
+_FLAT_TE: dict = {}  # (T, E, device) -> int64 [E*T]: t*E + e in (e, t) order (a constant per shape)
+
+
+def _flat_te_in_et_order(T: int, E: int, dev) -> torch.Tensor:
+    key = (T, E, str(dev))
+    if key not in _FLAT_TE:
+        if len(_FLAT_TE) > 64:  # token counts vary (last batch, inference): keep a handful
+            _FLAT_TE.clear()
+        _FLAT_TE[key] = torch.arange(T * E, device=dev).view(T, E).T.reshape(-1)
+    return _FLAT_TE[key]
 
 
 def order_pairs_on_device(plan, me: int, routing_map: torch.Tensor, probs: torch.Tensor,
                           uniform: bool) -> SendOrder:
-    """order_pairs with the order made on the map's device and no device sync: a pair's place in
-    the stock stream comes from per-expert running counts of the map, its run from a search in the
-    runs' ends, its send position from the run's shift; the per-plan table (two int64 [M]: run ends
-    in the stream, send start minus stream start) is the only copy, non-blocking from pinned memory
-    on CUDA. Same result as order_pairs, tensor for tensor."""
+    """order_pairs with the order made on the map's device and no device sync, in few kernels: a
+    running count over the map taken expert-major is each routed pair's place (+1) in the stock
+    stream; a search in the runs' ends gives its run, the run's shift its send position, and one
+    scatter of every (token, expert)'s flat index puts the pairs in send order. The per-plan table
+    (two int64 [M]: run ends in the stream, send start minus stream start minus 1) is the only
+    copy, non-blocking from pinned memory on CUDA. Same result as order_pairs, tensor for tensor."""
     dev = routing_map.device
     T, E = routing_map.shape
     runs_of_me = _runs(plan, me)
@@ -126,25 +164,20 @@ def order_pairs_on_device(plan, me: int, routing_map: torch.Tensor, probs: torch
     P = int(n_M.sum())
     if P == 0:
         none = torch.zeros(0, dtype=torch.int64, device=dev)
-        return _send_order(plan, me, runs_of_me, none, none, probs, T, E, uniform)
+        return _send_order(plan, me, runs_of_me, none, probs, T, E, uniform)
     begin_M = np.cumsum(n_M) - n_M
     send_begin_M = np.empty_like(n_M)
     send_begin_M[runs] = np.cumsum(n_M[runs]) - n_M[runs]
-    table = torch.from_numpy(np.stack([begin_M + n_M, send_begin_M - begin_M]))
+    table = torch.from_numpy(np.stack([begin_M + n_M, send_begin_M - begin_M - 1]))
     if dev.type == "cuda":
         table = table.pin_memory()
     end_M, shift_M = table.to(dev, non_blocking=True).unbind(0)
-    routed_ET = routing_map.T
-    running_ET = routed_ET.to(torch.int64).cumsum(dim=1)  # pairs of each expert up to each token
-    per_E = running_ET[:, -1]
-    stream_ET = running_ET - 1 + (per_E.cumsum(0) - per_E).unsqueeze(1)  # place in the stock stream
-    run_ET = torch.searchsorted(end_M, stream_ET, right=True).clamp_(max=n_M.size - 1)
-    pos_ET = torch.where(routed_ET, stream_ET + shift_M[run_ET], P)  # P: not routed (a dump row)
-    t_ET = torch.arange(T, device=dev).expand(E, T)
-    e_ET = torch.arange(E, device=dev).unsqueeze(1).expand(E, T)
-    token_P = torch.empty(P + 1, dtype=torch.int64, device=dev).scatter_(0, pos_ET.reshape(-1), t_ET.reshape(-1))
-    e_P = torch.empty(P + 1, dtype=torch.int64, device=dev).scatter_(0, pos_ET.reshape(-1), e_ET.reshape(-1))
-    return _send_order(plan, me, runs_of_me, token_P[:P], e_P[:P], probs, T, E, uniform, pos_ET)
+    routed_F = routing_map.T.contiguous().view(-1)  # F = E*T flat, expert-major: the stock stream's order
+    count_F = routed_F.cumsum(0)  # int64: a routed pair's place in the stock stream, plus one
+    # its run: the first whose end (exclusive) reaches count (count <= P = the last end: in range)
+    pos_F = torch.where(routed_F, count_F + shift_M[torch.searchsorted(end_M, count_F)], P)  # P: a dump row
+    flat_P = torch.empty(P + 1, dtype=torch.int64, device=dev).scatter_(0, pos_F, _flat_te_in_et_order(T, E, dev))
+    return _send_order(plan, me, runs_of_me, flat_P[:P], probs, T, E, uniform, pos_F.view(E, T))
 
 
 def sum_pairs(y_P: torch.Tensor, so: SendOrder, T: int) -> torch.Tensor:
@@ -163,8 +196,8 @@ def receive_order(plan, me: int, device) -> tuple[Optional[torch.Tensor], Option
     ptr, rep_M, tok_M = plan.route
     src_M = np.repeat(np.arange(D), np.diff(ptr))
     mine = p.replica_rank_R[rep_M] == me
-    n_DS = np.zeros((D, S), dtype=np.int64)
-    np.add.at(n_DS, (src_M[mine], p.replica_slot_R[rep_M[mine]]), tok_M[mine])
+    n_DS = np.bincount(src_M[mine] * S + p.replica_slot_R[rep_M[mine]], weights=tok_M[mine],
+                       minlength=D * S).astype(np.int64).reshape(D, S)
     per_slot = n_DS.sum(axis=0)
     run_slot = np.tile(np.arange(S), D)[n_DS.ravel() > 0]
     if (np.diff(run_slot) >= 0).all():  # the rows already arrive grouped by slot
