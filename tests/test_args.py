@@ -622,7 +622,7 @@ def test_real_megatron_lm_launcher_dry_run(tmp_path, megatron_lm, policy_yaml):
                        "--moe-balancer", "ultraep", "--moe-balancer-slots", "3"]
     proc = dry_run(tmp_path, megatron_lm, argv)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    expected = PolicyConfig(policy="ultraep", slots=3, window=5, ranks_per_node=4)
+    expected = PolicyConfig(policy="ultraep", slots=3, window=5, ranks_per_node=4, comm="direct")  # the YAML's
     assert f"DRYRUN True {expected!r}" in proc.stdout, proc.stdout[-2000:]
     assert "megatron-rails: installed policy=ultraep slots=3 comm=direct" in proc.stdout
     # Megatron printed its arguments, ours among them

@@ -8,7 +8,7 @@ import torch
 from megatron_rails.bench.local import bench_local
 from megatron_rails.core.policy import PolicyConfig
 from megatron_rails.runtime.local import (order_pairs, order_pairs_on_device, pairs_per_token_range, receive_order,
-                                          rows, segment_order, sum_pairs)
+                                          rows, rows_back, segment_order, sum_pairs)
 from megatron_rails.core.planners import make_planner
 
 POLICIES = ["none", "eplb", "ultraep", "lp", "fsep"]
@@ -175,3 +175,25 @@ def test_collective_device_follows_the_backend(monkeypatch):
                           ("cpu:gloo,cuda:nccl", torch.device("cpu"))):
         monkeypatch.setattr(comm.dist, "get_backend", lambda group, b=backend: b)
         assert comm.collective_device(None) == want
+
+
+def test_rows_back_against_concatenate_then_gather():
+    """rows_back puts the slot-ordered parts back in received order, as cat + a gather by the
+    inverse permutation would, and its backward gives every part (a zero-row one too) the gradient
+    the reference's autograd does."""
+    rng = np.random.default_rng(5)
+    for _ in range(30):
+        sizes = [int(n) for n in rng.integers(0, 6, size=rng.integers(1, 5))]
+        Q = sum(sizes)
+        order = torch.from_numpy(rng.permutation(Q))
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(Q)
+        parts = [torch.randn(n, 3, dtype=torch.float64, requires_grad=True) for n in sizes]
+        w = torch.randn(Q, 3, dtype=torch.float64)
+        ref = torch.cat(parts)[inverse]
+        got = rows_back(parts, order)
+        assert torch.equal(got, ref)
+        want = torch.autograd.grad((ref * w).sum(), parts)
+        have = torch.autograd.grad((got * w).sum(), parts)
+        assert all(torch.equal(a, b) for a, b in zip(have, want))
+        assert rows_back(parts, None).shape == (Q, 3)

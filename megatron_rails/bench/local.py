@@ -25,7 +25,7 @@ import torch
 
 from ..core.errors import InputError
 from ..core.policy import PolicyConfig
-from ..runtime.local import pairs_per_token_range, receive_order, rows, send_order, sum_pairs
+from ..runtime.local import pairs_per_token_range, receive_order, rows, rows_back, send_order, sum_pairs
 from ..core.planners import make_planner
 
 # Mixtral 8x7B / 8x22B: hidden 4096 / 6144, 8 experts top-2; a 4096-token sequence per rank, EP 8
@@ -103,15 +103,15 @@ def _rows_for(policy: str, skew: str, shape: dict, dtype, device, reps: int, syn
         return x[so.token_P], so.probs_P
 
     def ours_regroup():
-        order, state_ours["inverse"], per_slot = receive_order(plan, me, device)
+        state_ours["order"], inverse, per_slot = receive_order(plan, me, device)
+        order = state_ours["order"]
         state_ours["n_owner"] = int(per_slot[:L_own].sum())
         return rows(x_recv, order), rows(pr_recv, order)
 
     def ours_combine():
-        y_Q, n = x_recv, state_ours["n_owner"]  # expert outputs in slot order
-        if n < Q:  # owner-slot outputs, then replica-slot outputs
-            y_Q = torch.cat([y_Q[:n], y_Q[n:]])
-        return rows(y_Q, state_ours["inverse"]), sum_pairs(y_back, state_ours["sent"], T)
+        y_Q, n = x_recv, state_ours["n_owner"]  # expert outputs in slot order: owner slots', replica slots'
+        parts = [y_Q[:n], y_Q[n:]] if n < Q else [y_Q]
+        return rows_back(parts, state_ours["order"]), sum_pairs(y_back, state_ours["sent"], T)
 
     # -- Megatron-Core's alltoall dispatcher, local part
     stock_me = int(np.argmax(counts_DE.sum(axis=0).reshape(D, L).sum(axis=1)))

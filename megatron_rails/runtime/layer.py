@@ -48,7 +48,7 @@ from .expert_kind import ExpertKind
 from .experts import ExpertStore, ShardedExpertStore
 from .faults import maybe_fault
 from .dedup import DedupExchange, fanout_DD
-from .local import SendOrder, pairs_per_token_range, receive_order, rows, send_order, sum_pairs
+from .local import SendOrder, pairs_per_token_range, receive_order, rows, rows_back, send_order, sum_pairs
 from .units import NodeUnits, node_units
 
 METRICS_KEPT = 10_000  # per-layer metric records kept (one per microbatch step)
@@ -300,10 +300,7 @@ class LayerRuntime:
         """The slots computed now; owner outputs, then the slots' (and the weight exchange's anchor),
         back to the received (source-major) order: y_Q [Q, H]."""
         slot_outs = self._slot_outputs(y_owner.shape[-1])
-        y_Q = y_owner
-        if slot_outs:
-            y_Q = torch.cat([y_owner] + [y.to(y_owner.dtype) for y in slot_outs])
-        return rows(y_Q, self.recv_inverse, self.recv_order)
+        return rows_back([y_owner] + [y.to(y_owner.dtype) for y in slot_outs], self.recv_order)
 
     def return_tokens(self, y_Q: torch.Tensor) -> torch.Tensor:
         """The reverse all-to-all: y_P [P, H] in this rank's send order."""

@@ -228,6 +228,36 @@ class _PermuteRows(torch.autograd.Function):
         return grad.index_select(0, ctx.inverse), None, None
 
 
+def rows_back(parts: list, order: Optional[torch.Tensor]) -> torch.Tensor:
+    """The rows of `parts` (each [n_i, H], together the received rows in slot order, same dtype)
+    put back in received order: out[order[j]] = cat(parts)[j]; order None: the slot order is the
+    received order. One write of every row (no concatenated copy first), and a gather per part in
+    the backward. Every part gets a gradient, zero-row ones too (an autograd anchor must run)."""
+    if order is None:
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+    return _RowsBack.apply(order, *parts)
+
+
+class _RowsBack(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, order, *parts):
+        ctx.order, ctx.sizes = order, [p.shape[0] for p in parts]
+        out = parts[0].new_empty((order.numel(), *parts[0].shape[1:]))
+        start = 0
+        for p in parts:
+            out.index_copy_(0, order[start:start + p.shape[0]], p)
+            start += p.shape[0]
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        grads, start = [], 0
+        for n in ctx.sizes:
+            grads.append(grad.index_select(0, ctx.order[start:start + n]))
+            start += n
+        return (None, *grads)
+
+
 SEND_ORDER_ENV = "MEGATRON_RAILS_SEND_ORDER"  # auto (device path on CUDA), device, host
 
 

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Every GPU check of the project in one go, on one GPU (CI has none; run by hand):
+#   1. alone on the GPU: `megatron-rails bench local --device cuda` for Mixtral 8x7B and 8x22B shapes
+#      (bf16, against Megatron-Core's own permute/unpermute), and 8x7B once more with the send order
+#      made on the host (MEGATRON_RAILS_SEND_ORDER=host: the path before the device one) as a baseline;
+#   2. side by side: scripts/gpu_check.py (4 ranks over gloo against the stock alltoall dispatcher)
+#      and scripts/gpu_pretrain_check.sh (Megatron-LM's pretrain_gpt.py, one NCCL rank and two gloo
+#      ranks, each world its own stream). Iteration times from step 2 share the GPU and CPUs with the
+#      other streams: compare them within a stream only.
+#
+#   bash scripts/gpu_checks.sh MEGATRON_LM_DIR OUTDIR
+#
+# OUTDIR gets bench JSONs, gpu_check.log, the loss tables and one archive of every log (pretrain.tgz).
+set -u
+[ $# -eq 2 ] || { echo "usage: bash scripts/gpu_checks.sh MEGATRON_LM_DIR OUTDIR" >&2; exit 2; }
+REPO=$(cd "$(dirname "$0")/.." && pwd)
+MLM=$(cd "$1" && pwd) || exit 2
+mkdir -p "$2" && OUT=$(cd "$2" && pwd)
+PY=${PYTHON:-python3}
+export PYTHONPATH="$REPO:$MLM${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
+cd "$REPO"
+say() { echo "[gpu_checks $(date +%H:%M:%S)] $*" | tee -a "$OUT/summary.txt"; }
+
+say "1. bench local (alone on the GPU)"
+for shape in mixtral-8x7b mixtral-8x22b; do
+  timeout 180 "$PY" -m megatron_rails.cli bench local --device cuda --shape "$shape" \
+    --out "$OUT/local-$shape.json" > "$OUT/local-$shape.txt" 2>&1
+  say "  $shape: exit $?"; grep -E "^  [a-z]" "$OUT/local-$shape.txt" | tee -a "$OUT/summary.txt"
+done
+MEGATRON_RAILS_SEND_ORDER=host timeout 180 "$PY" -m megatron_rails.cli bench local --device cuda \
+  --shape mixtral-8x7b --out "$OUT/local-mixtral-8x7b-host-order.json" > "$OUT/local-host.txt" 2>&1
+say "  mixtral-8x7b, send order on the host: exit $?"; grep -E "^  [a-z]" "$OUT/local-host.txt" | tee -a "$OUT/summary.txt"
+
+say "2. gpu_check and pretrain_gpt.py, side by side"
+SETUP_ONLY=1 bash scripts/gpu_pretrain_check.sh "$MLM" "$OUT/setup" > "$OUT/setup.txt" 2>&1  # helpers built once
+say "  pretrain setup: exit $?"; tail -4 "$OUT/setup/env.txt" 2>/dev/null | tee -a "$OUT/summary.txt"
+timeout ${CHECK_TIMEOUT:-300} "$PY" scripts/gpu_check.py > "$OUT/gpu_check.log" 2>&1 &
+check=$!
+SITE=/tmp/site-ep1 RUN_TIMEOUT=${RUN_TIMEOUT:-100} WORLDS=1 PORT_BASE=29400 bash scripts/gpu_pretrain_check.sh "$MLM" "$OUT/ep1" \
+  > "$OUT/ep1.txt" 2>&1 &
+ep1=$!
+SITE=/tmp/site-ep2 RUN_TIMEOUT=${RUN_TIMEOUT:-100} WORLDS=2 PORT_BASE=29500 bash scripts/gpu_pretrain_check.sh "$MLM" "$OUT/ep2" \
+  > "$OUT/ep2.txt" 2>&1 &
+ep2=$!
+wait $check; say "gpu_check: exit $?"; grep -v "^\[\|Warning\|warn" "$OUT/gpu_check.log" | tail -14 | tee -a "$OUT/summary.txt"
+wait $ep1; say "pretrain, 1 rank (NCCL): exit $?"; cat "$OUT/ep1/table.md" >> "$OUT/summary.txt" 2>/dev/null
+wait $ep2; say "pretrain, 2 ranks (gloo): exit $?"; cat "$OUT/ep2/table.md" >> "$OUT/summary.txt" 2>/dev/null
+tar czf "$OUT/pretrain.tgz" -C "$OUT" setup setup.txt ep1 ep2 ep1.txt ep2.txt local-mixtral-8x7b.txt local-mixtral-8x22b.txt \
+  local-host.txt 2>/dev/null
+rm -rf "$OUT/setup" "$OUT/setup.txt" "$OUT/ep1" "$OUT/ep2" "$OUT"/ep?.txt "$OUT"/local-*.txt
+say "done"
