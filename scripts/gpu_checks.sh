@@ -10,6 +10,7 @@
 #
 #   bash scripts/gpu_checks.sh MEGATRON_LM_DIR OUTDIR
 #
+# SKIP_BENCH=1 skips step 1; RUN_TIMEOUT (100 s) limits each pretrain run.
 # OUTDIR gets bench JSONs, gpu_check.log, the loss tables and one archive of every log (pretrain.tgz).
 set -u
 [ $# -eq 2 ] || { echo "usage: bash scripts/gpu_checks.sh MEGATRON_LM_DIR OUTDIR" >&2; exit 2; }
@@ -21,6 +22,7 @@ export PYTHONPATH="$REPO:$MLM${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 PYT
 cd "$REPO"
 say() { echo "[gpu_checks $(date +%H:%M:%S)] $*" | tee -a "$OUT/summary.txt"; }
 
+if [ "${SKIP_BENCH:-0}" = 1 ]; then say "1. bench local: skipped (SKIP_BENCH=1)"; else
 say "1. bench local (alone on the GPU)"
 for shape in mixtral-8x7b mixtral-8x22b; do
   timeout 180 "$PY" -m megatron_rails.cli bench local --device cuda --shape "$shape" \
@@ -30,6 +32,7 @@ done
 MEGATRON_RAILS_SEND_ORDER=host timeout 180 "$PY" -m megatron_rails.cli bench local --device cuda \
   --shape mixtral-8x7b --out "$OUT/local-mixtral-8x7b-host-order.json" > "$OUT/local-host.txt" 2>&1
 say "  mixtral-8x7b, send order on the host: exit $?"; grep -E "^  [a-z]" "$OUT/local-host.txt" | tee -a "$OUT/summary.txt"
+fi
 
 say "2. gpu_check and pretrain_gpt.py, side by side"
 SETUP_ONLY=1 bash scripts/gpu_pretrain_check.sh "$MLM" "$OUT/setup" > "$OUT/setup.txt" 2>&1  # helpers built once

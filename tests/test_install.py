@@ -161,3 +161,18 @@ def test_product_default_is_the_default_preset(monkeypatch):
     monkeypatch.setattr(dispatcher, "_installed", None)  # nothing installed (restored afterwards)
     got = dispatcher.installed_policy()
     assert type(got) is PolicyConfig and got == PolicyConfig()
+
+
+def test_te_general_gemm_is_defined_where_megatron_left_it_undefined(monkeypatch):
+    """Megatron-Core 0.16 without Transformer Engine never defines moe_utils.te_general_gemm, which
+    its router GEMM tests (NameError at the first MoE forward on a GPU): the launcher and install()
+    define it as None, the value meaning 'no Transformer Engine'; a defined one is left alone."""
+    from megatron.core.transformer.moe import moe_utils
+
+    from megatron_rails.megatron.compat import define_te_general_gemm
+
+    monkeypatch.delattr(moe_utils, "te_general_gemm", raising=False)
+    assert define_te_general_gemm() is True and moe_utils.te_general_gemm is None
+    sentinel = object()
+    monkeypatch.setattr(moe_utils, "te_general_gemm", sentinel)
+    assert define_te_general_gemm() is False and moe_utils.te_general_gemm is sentinel

@@ -15,6 +15,8 @@
   module's own parameters (`wait_param_gather`).
 * `moe_utils.permute` returns (tokens, probs, sorted_indices) in 0.16.x and adds pad offsets and
   padded tokens per expert in 0.19.x (`stock_permute`).
+* 0.16.x's router GEMM tests `moe_utils.te_general_gemm is not None`, but without Transformer Engine
+  the name is never defined: the first MoE forward raises NameError (`define_te_general_gemm`).
 """
 from __future__ import annotations
 
@@ -23,6 +25,18 @@ import inspect
 import sys
 
 from megatron.core import __version__ as MCORE_VERSION  # noqa: F401  (re-exported for reports)
+
+
+def define_te_general_gemm() -> bool:
+    """Define `moe_utils.te_general_gemm = None` where Megatron-Core left it undefined (0.16.x
+    without Transformer Engine: its import fallback skips the name its router GEMM then tests), so
+    the router takes its torch GEMM, as that test intends. Returns whether the name was missing."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if hasattr(moe_utils, "te_general_gemm"):
+        return False
+    moe_utils.te_general_gemm = None
+    return True
 
 
 def stock_permute(tokens, routing_map, probs, num_out_tokens: int):

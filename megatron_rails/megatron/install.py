@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from ..core.policy import PolicyConfig, as_policy
 from . import cpu_shims
+from .compat import define_te_general_gemm
 from .dispatcher import RailsTokenDispatcher, set_installed_policy
 from .metrics import log_in_training_loop
 
@@ -21,6 +22,7 @@ def install(cfg) -> PolicyConfig:
     this policy (a PolicyConfig, a dict of its keys, a YAML path or a preset name)."""
     pcfg = as_policy(cfg)
     cpu_shims.apply()
+    define_te_general_gemm()  # Megatron-Core 0.16 without Transformer Engine: else a NameError in the router
     from megatron.core.transformer.moe import moe_layer
 
     set_installed_policy(pcfg)

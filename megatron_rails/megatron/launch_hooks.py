@@ -138,6 +138,14 @@ def run_script(script, argv) -> None:
         sys.path.insert(0, script_dir)
     try:
         with megatron_lm_hooks():
+            from .compat import define_te_general_gemm
+
+            # stock runs too: without it Megatron-Core 0.16 cannot run an MoE model without
+            # Transformer Engine at all (the NameError is Megatron's, the model math unchanged)
+            if define_te_general_gemm() and os.environ.get("RANK", "0") == "0":
+                print("megatron-rails: defined megatron.core moe_utils.te_general_gemm = None (Megatron-Core "
+                      "without Transformer Engine leaves it undefined; the router uses its torch GEMM)",
+                      file=sys.stderr, flush=True)
             runpy.run_path(str(path), run_name="__main__")
     finally:
         sys.argv = saved_argv
