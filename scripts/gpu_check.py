@@ -10,9 +10,9 @@ Then, for every policy x comm (`direct`, and `rails` with the EP group split int
 RailS sprays and dedup runs): the same skewed MoE layer with the stock `alltoall` dispatcher and with
 ours, trained side by side for --steps optimizer steps (SGD with momentum) of --micro microbatches,
 all but the last under `no_sync()` (weights fetched once per step, in the background from the plan
-until first computed, gradients returned once). Compared, fp32 without TF32, |ours - stock| <= 1e-5
-+ 1e-5 |stock|: every microbatch's output and input gradient, every parameter gradient (stock layout)
-before each optimizer step, every parameter after it. The exchanges must have happened: weights
+until first computed, gradients returned once). Compared, fp32 without TF32, max |ours - stock| <=
+1e-5 max(1, max |stock|) per tensor: every microbatch's output and input gradient, every parameter
+gradient (stock layout) before each optimizer step, every parameter after it. The exchanges must have happened: weights
 moved (every balancing policy), sprayed token exchanges (`rails`), node dedup (2 nodes). Rank 0
 prints one line per case; exit status 1 on any mismatch.
 
@@ -144,7 +144,7 @@ def _grads(layer) -> dict:
 
 
 class _Diff:
-    """The worst |ours - stock| relative to TOL + TOL |stock| seen, and where."""
+    """The worst |ours - stock| relative to TOL * max(1, max |stock|) seen (per tensor), and where."""
 
     def __init__(self):
         self.ratio, self.abs, self.where = 0.0, 0.0, ""
@@ -154,7 +154,10 @@ class _Diff:
             self.ratio, self.abs, self.where = float("inf"), float("inf"), f"{where} (missing or misshapen)"
             return
         err = (got.float() - ref.float()).abs()
-        ratio = (err / (TOL + TOL * ref.float().abs())).max().item() if err.numel() else 0.0
+        # fp32 to 1e-5 of the tensor's scale: a GEMM over fewer rows (a replica's share) may take
+        # another cuBLAS kernel and round differently, ~1e-6 relative; a wrong or stale weight is O(1)
+        scale = max(1.0, ref.float().abs().max().item()) if ref.numel() else 1.0
+        ratio = err.max().item() / (TOL * scale) if err.numel() else 0.0
         if ratio > self.ratio or not self.where:
             self.ratio, self.abs, self.where = ratio, err.max().item() if err.numel() else 0.0, where
 

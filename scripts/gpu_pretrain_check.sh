@@ -12,7 +12,7 @@
 # to OUTDIR/<name>.rc); a failing run never stops the script. Then scripts/pretrain_loss_table.py OUTDIR
 # compares every run's per-iteration lm loss with the stock run of the same world size (OUTDIR/table.md).
 #
-# Environment knobs: PYTHON (python3), ITERS (50), RUN_TIMEOUT (150 s per run), POLICIES, WORLDS ("1 2"),
+# Environment knobs: EXTRA_ARGS (appended to every run's arguments), PYTHON (python3), ITERS (50), RUN_TIMEOUT (150 s per run), POLICIES, WORLDS ("1 2"),
 # DETERMINISTIC (1: --deterministic-mode), PRINT_ONLY=1 (print each run's command line and exit: used by the
 # CPU dry test), SITE (/tmp/gpu_check_site: where wheels carried in .whl/ are unpacked), PORT_BASE (29400),
 # SETUP_ONLY=1 (unpack, build Megatron's dataset helpers, then exit: before instances run side by side).
@@ -52,6 +52,9 @@ COMMON=(
   --no-bias-gelu-fusion --no-bias-swiglu-fusion --no-bias-dropout-fusion --no-rope-fusion
   --no-persist-layer-norm --disable-bias-linear
 )
+# EXTRA_ARGS: more Megatron-LM arguments for every run (e.g. "--clip-grad 0.0")
+read -r -a EXTRA <<< "${EXTRA_ARGS:-}"
+COMMON+=(${EXTRA[@]+"${EXTRA[@]}"})
 
 # -- run one configuration -----------------------------------------------------------------------------
 PORT=${PORT_BASE:-29400}  # PORT_BASE: two instances side by side need apart ports
