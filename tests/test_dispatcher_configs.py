@@ -5,7 +5,7 @@ reference is the stock allgather dispatcher with identical weights; every policy
 import numpy as np
 import torch
 
-from moe_harness import build_moe_layer, spawn
+from moe_harness import build_moe_layer, moe_config, spawn
 
 POLICIES = ["none", "eplb", "ultraep", "lp", "fsep"]
 H = 16
@@ -76,3 +76,36 @@ def _worker(rank, world, routings):
 
 def test_parity_across_moe_settings():
     spawn(_worker, 4, 2)  # per setting and policy: one near-uniform routing, one skewed
+
+
+def _alone_worker(rank, world):
+    import warnings
+
+    import megatron_rails
+    from megatron_rails.runtime.experts import ShardedExpertStore
+
+    torch.manual_seed(3)
+    stock = build_moe_layer(moe_config(world, "allgather"))
+    for policy in ("fsep", "ultraep", "lp", "eplb"):
+        megatron_rails.install({"policy": policy, "slots": 2})
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                rails = build_moe_layer(moe_config(world, "alltoall"))
+        finally:
+            megatron_rails.uninstall()
+        rails.load_state_dict(stock.state_dict())
+        disp = rails.token_dispatcher
+        assert disp.pcfg.policy == policy and disp.runtime.policy.policy == "none"
+        assert not isinstance(disp.store, ShardedExpertStore)
+        x = torch.randn(24, 1, 16)
+        assert torch.equal(rails(x)[0], stock(x)[0])
+        assert disp.metrics[-1]["weight_bytes_sent"] == 0
+        if policy == "fsep":  # said once per process
+            assert any("expert-parallel size 1" in str(w.message) for w in caught), [str(w.message) for w in caught]
+
+
+def test_one_ep_rank_runs_every_policy_as_none():
+    """With one EP rank there is nothing to balance: every policy runs as none (stock layout, no
+    weight movement) and says so once; the output is stock's, bit for bit."""
+    spawn(_alone_worker, 1)
