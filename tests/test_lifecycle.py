@@ -172,3 +172,23 @@ def test_a_model_dropped_while_owing_gradients_still_joins_the_flush():
     """Owed slot gradients go back by a collective; a rank whose garbage collector already took
     the model must still take part, or the ranks' collectives stop pairing up."""
     spawn(_dropped_worker, 2)
+
+
+def test_slot_gradient_rows_no_backward_reached_come_back_zero():
+    """The accumulator is allocated empty (a row's first gradients are copied in, not added into
+    zeros): rows no backward wrote, and the padding past the real columns, must still read as
+    zeros, whatever the allocation held (NaN here)."""
+    from megatron_rails.core.plan import Placement  # noqa: F401  (Window's field type)
+    from megatron_rails.runtime.residency import Window
+
+    w = Window(placement=None, key=(0,), moved=True, weights_NW=torch.ones(4, 6))
+    w.slots_N = np.arange(4)
+    w.open_acc(W=5)
+    assert torch.equal(w.acc_NW[:, 5:], torch.zeros(4, 1))
+    w.acc_NW[:, :5] = float("nan")
+    w.acc_NW[1, :5] = 2.0  # what a backward wrote into row 1
+    w.acc_fresh[1] = False
+    got = w.accumulated()
+    want = torch.zeros(4, 6)
+    want[1, :5] = 2.0
+    assert torch.equal(got, want)

@@ -77,6 +77,8 @@ class RailsTokenDispatcher(MoETokenDispatcher):
         self._layer = rails_metrics.layer_ref(layer)
         # DDP's lazy parameter all-gathers finish before the stores read expert weights
         self.runtime.attach(expert_kind(experts), before_read=wait_param_gather)
+        if self.runtime.policy.sharded:
+            _skip_empty_stock_experts(experts)
 
     def dispatch_preprocess(self, hidden_states: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor):
         """hidden_states [sequence, batch, H]; routing_map bool [T, E]; probs float [T, E] -> pairs in send order."""
@@ -109,3 +111,19 @@ class RailsTokenDispatcher(MoETokenDispatcher):
     def combine_postprocess(self, hidden_states: torch.Tensor):
         T = int(np.prod(self.hidden_shape[:-1]))
         return self.runtime.combine(hidden_states, T).view(self.hidden_shape)
+
+
+def _skip_empty_stock_experts(experts: torch.nn.Module) -> None:
+    """Under the sharded layout every slot is computed by the runtime and the stock experts get no
+    rows; their parameters are placeholders that do not train. Megatron's expert modules would still
+    run each local expert on zero rows, forward and backward (tens of small autograd ops per layer
+    and microbatch): skip them. Empty input -> the empty output (a view of it, so autograd still
+    reaches the input) and no bias (the alltoall MoELayer asserts none)."""
+    stock_forward = experts.forward
+
+    def forward(permuted_local_hidden_states, tokens_per_expert, permuted_probs, *args, **kwargs):
+        if permuted_local_hidden_states.shape[0] == 0:
+            return permuted_local_hidden_states[:0], None
+        return stock_forward(permuted_local_hidden_states, tokens_per_expert, permuted_probs, *args, **kwargs)
+
+    experts.forward = forward

@@ -115,7 +115,10 @@ class Window:
     slots_N:   int64 [N] the slot index of each row, every part's (known before its weights arrive).
     routes:    per part, in row order: (what the store needs to return its gradients, its rows).
     fetches:   the parts' fetches not waited for yet (comm Pendings), in row order.
-    acc_NW:    the slots' accumulated weight gradients [N, W'] (allocated by the first backward).
+    acc_NW:    the slots' accumulated weight gradients [N, W'] (allocated by the first backward;
+               read it through accumulated()).
+    acc_fresh: bool [N]: rows of acc_NW no backward has written yet (allocated empty: a row's first
+               gradients are copied in, not added into zeros; accumulated() zeroes the rest).
     pending:   gradients accumulated and not yet returned (identical on every rank).
     in_flight: training forwards on these slots whose backward has not run yet.
     forwards:  training forwards on this window so far.
@@ -129,6 +132,7 @@ class Window:
     routes: list = field(default_factory=list)
     fetches: list = field(default_factory=list)
     acc_NW: Optional[torch.Tensor] = None
+    acc_fresh: Optional[np.ndarray] = None
     pending: bool = False
     in_flight: int = 0
     forwards: int = 0
@@ -141,6 +145,20 @@ class Window:
         self.fetches.append(fetch)
         if self.acc_NW is not None and n:
             self.acc_NW = torch.cat([self.acc_NW, self.acc_NW.new_zeros((n, self.acc_NW.shape[1]))])
+            self.acc_fresh = np.concatenate([self.acc_fresh, np.zeros(n, dtype=bool)])
+
+    def open_acc(self, W: int) -> None:
+        """Allocate acc_NW for every row (empty; the padding past the W real columns zeroed)."""
+        self.acc_NW = self.weights_NW.new_empty((self.n_rows, self.weights_NW.shape[1]))
+        self.acc_NW[:, W:].zero_()
+        self.acc_fresh = np.ones(self.n_rows, dtype=bool)
+
+    def accumulated(self) -> Optional[torch.Tensor]:
+        """acc_NW, rows no backward reached zeroed (None before the first backward)."""
+        if self.acc_NW is not None and self.acc_fresh.any():
+            self.acc_NW[torch.from_numpy(np.flatnonzero(self.acc_fresh)).to(self.acc_NW.device)] = 0
+            self.acc_fresh[:] = False
+        return self.acc_NW
 
     @property
     def n_rows(self) -> int:
@@ -209,10 +227,17 @@ class ResidentSlots(torch.autograd.Function):
             if all(g is None for g in row):
                 continue
             if window.acc_NW is None:  # every row of the window, those of parts still arriving too
-                window.acc_NW = window.weights_NW.new_zeros((window.n_rows, window.weights_NW.shape[1]))
+                window.open_acc(W)
+            fresh = window.acc_fresh[i]  # the row's first gradients: written, not added into zeros
+            window.acc_fresh[i] = False
             for g, piece in zip(row, torch.split(window.acc_NW[i, :W], store.numels)):
-                if g is not None:
-                    piece.add_(g.reshape(-1))
+                if g is None:
+                    if fresh:
+                        piece.zero_()
+                elif fresh:
+                    piece.view(g.shape).copy_(g)
+                else:
+                    piece.view(g.shape).add_(g)
         # every rank ran this backward: whether anything is owed is the same everywhere (the node
         # exists on every rank whenever any rank holds a moved slot)
         window.pending = True

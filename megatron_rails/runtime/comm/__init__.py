@@ -31,5 +31,7 @@ def make_comm(pcfg, group, node_size: int | None = None):
     G = node_size if node_size else pcfg.node_size(D)
     if D % G:
         raise ConfigError(f"comm: rails needs ranks_per_node ({G}) to divide the expert-parallel size ({D})")
+    if G >= D:  # one node: no traffic crosses a rail, so RailS would send the direct exchange anyway
+        return DirectAllToAll(group)
     return RailsAllToAll(group, Topology(name="ep-group", gpus_per_node=G, rails_per_node=G),
                          tolerance=float(pcfg.rails_tolerance))
