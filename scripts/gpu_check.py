@@ -158,6 +158,8 @@ class _Diff:
         # another cuBLAS kernel and round differently, ~1e-6 relative; a wrong or stale weight is O(1)
         scale = max(1.0, ref.float().abs().max().item()) if ref.numel() else 1.0
         ratio = err.max().item() / (TOL * scale) if err.numel() else 0.0
+        if not math.isfinite(ratio):  # NaN compares false with everything: make it the worst
+            ratio = math.inf
         if ratio > self.ratio or not self.where:
             self.ratio, self.abs, self.where = ratio, err.max().item() if err.numel() else 0.0, where
 
@@ -198,9 +200,10 @@ def _case(rank, world, policy, comm, a, dev) -> dict:
                 diff.add(mine.get(k), v, f"param {k} after step {step}, rank {rank}")
     if dev.type == "cuda":
         torch.cuda.synchronize()
-    scale = max(p.abs().max().item() for p in stock.parameters())
-    if not math.isfinite(scale) or scale > 100:
-        diff.ratio, diff.where = float("inf"), f"stock's weights ran away (max |w| {scale:.1e}): lower the lr"
+    for name, layer in (("stock", stock), ("our", rails)):
+        scale = max(p.abs().max().item() for p in layer.parameters() if p.numel())
+        if not math.isfinite(scale) or scale > 100:
+            diff.ratio, diff.where = math.inf, f"{name} weights ran away (max |w| {scale:.1e})"
     m = rails.token_dispatcher.metrics
     return {"ratio": diff.ratio, "abs": diff.abs, "where": diff.where, "s": time.perf_counter() - t0,
             "weight_bytes": sum(r["weight_bytes_sent"] for r in m), "sprayed": sum(bool(r["rails_sprayed"]) for r in m),

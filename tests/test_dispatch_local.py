@@ -52,7 +52,7 @@ def test_order_pairs_and_sum_pairs(policy):
     rng = np.random.default_rng(hash(policy) % 2**32)
     for it in range(40):
         T = int(rng.integers(0, 40))
-        k = [0, 1, 2, 3][it % 4]
+        k = [0, 1, 2, 3, E][it % 5]  # E: every expert (by_token then whole rows)
         rmap, probs = _routing(rng, T, k)
         me = int(rng.integers(D))
         plan = _plan(rng, policy, rmap, me)

@@ -210,6 +210,9 @@ def bench_step(out: str, ranks: int = 2, microbatches: int = 8, quick: bool = Fa
                          f"(ranks sharing a core cannot show stragglers); use --ranks 1..{cores}")
     if microbatches < 1:
         raise BenchError(f"--microbatches {microbatches}: need at least 1")
+    if ranks == 1:
+        print("step bench: --ranks 1: one EP rank has nothing to balance, so every policy runs as none "
+              "(a smoke run; ratios mean nothing)", file=sys.stderr)
     shape = QUICK_SHAPE if quick else SHAPE
     reps = reps if reps is not None else (1 if quick else 6)
     warmup = 0 if quick else WARMUP

@@ -8,6 +8,7 @@ permutation, M route entries.
 """
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 from typing import Optional
@@ -39,12 +40,12 @@ class SendOrder:
     k: int
     runs: "_RunsOfPairs"  # the pairs' destinations, by run (host)
 
-    @property
+    @functools.cached_property
     def dest_P(self) -> np.ndarray:
         """int64 [P] (host): the destination EP rank of every pair (made when first asked for)."""
         return self.runs.expand("dest")
 
-    @property
+    @functools.cached_property
     def slot_P(self) -> np.ndarray:
         """int64 [P] (host): its slot there."""
         return self.runs.expand("slot")
@@ -100,7 +101,8 @@ def _send_order(plan, me: int, runs_of_me: tuple, flat_P, probs, T: int, E: int,
     uniform: every token has the same number k of pairs (top-k routing without drops): the combine
     then sums each token's k outputs as a [T, k, H] reduction instead of scattered adds; by_token
     lists the send positions of every token's pairs, token-major: the k smallest per row of a
-    [T, E] table of positions (P where not routed), pos_ET's transpose when given."""
+    [T, E] table of positions (P where not routed), pos_ET's transpose when given; at k == E every
+    row whole, in expert order (both send-order paths alike)."""
     runs, n_M, dest, slot = runs_of_me
     P = int(n_M.sum())
     k = P // T if T else 0
@@ -143,7 +145,7 @@ _FLAT_TE: dict = {}  # (T, E, device) -> int64 [E*T]: t*E + e in (e, t) order (a
 def _flat_te_in_et_order(T: int, E: int, dev) -> torch.Tensor:
     key = (T, E, str(dev))
     if key not in _FLAT_TE:
-        if len(_FLAT_TE) > 64:  # token counts vary (last batch, inference): keep a handful
+        if len(_FLAT_TE) >= 4:  # token counts vary (last batch, inference): keep a few ([T*E] int64 each)
             _FLAT_TE.clear()
         _FLAT_TE[key] = torch.arange(T * E, device=dev).view(T, E).T.reshape(-1)
     return _FLAT_TE[key]
