@@ -27,6 +27,7 @@ import math
 import os
 import sys
 import tempfile
+import textwrap
 import time
 import traceback
 from datetime import timedelta
@@ -231,12 +232,13 @@ def _verdict(policy, comm, world, per_rank: list[dict]) -> tuple[bool, str]:
         ok, why = False, why + ["RailS never sprayed"]
     if world > 2 and total["dedup"] != total["records"]:
         ok, why = False, why + [f"dedup ran in {total['dedup']} of {total['records']} layer calls"]
-    line = (f"{policy:8s} {comm:6s} {'ok ' if ok else 'BAD'} worst |diff| {worst['abs']:.1e} "
-            f"({worst['ratio']:.2f} of tol; {worst['where']}); weights {total['weight_bytes'] / 2**20:.1f} MiB in "
-            f"{total['fetches'] // world} fetches, "
-            f"sprayed {total['sprayed']}/{total['records']}, dedup {total['pairs_bytes'] / 2**20:.2f} -> "
-            f"{total['units_bytes'] / 2**20:.2f} MiB, {max(r['s'] for r in per_rank):.1f} s on {worst['device']}")
-    return ok, line + ("; " + ", ".join(why) if why else "")
+    head = (f"{policy:8s} {comm:6s} {'ok ' if ok else 'BAD'} worst |diff| {worst['abs']:.1e} = "
+            f"{worst['ratio']:.2f} of tol, {max(r['s'] for r in per_rank):.1f} s on {worst['device']}")
+    body = (f"at {worst['where']}; weights {total['weight_bytes'] / 2**20:.1f} MiB in {total['fetches'] // world} "
+            f"fetches, sprayed {total['sprayed']}/{total['records']}, dedup {total['pairs_bytes'] / 2**20:.2f} -> "
+            f"{total['units_bytes'] / 2**20:.2f} MiB" + ("; " + ", ".join(why) if why else ""))
+    # 80 columns: the verdict, then what was compared and moved, indented
+    return ok, "\n".join([head] + textwrap.wrap(body, 80, initial_indent="    ", subsequent_indent="    "))
 
 
 def _rank(rank, world, store, a) -> None:
@@ -265,9 +267,10 @@ def _rank(rank, world, store, a) -> None:
             moe_utils.te_general_gemm = None
     if rank == 0:
         name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
-        print(f"gpu_check: {world} ranks on {name}, {a.backend}: all_to_all_single and all_gather carry "
-              f"{dev.type} tensors; stock dispatcher {_stock_dispatcher(dev)}; layer hidden {a.hidden}, {EXPERTS} experts top-{TOPK}, {a.tokens} tokens "
-              f"per rank, {a.steps} steps x {a.micro} microbatches", flush=True)
+        print(textwrap.fill(f"gpu_check: {world} ranks on {name}, {a.backend}: all_to_all_single and all_gather "
+                            f"carry {dev.type} tensors; stock dispatcher {_stock_dispatcher(dev)}; layer hidden "
+                            f"{a.hidden}, {EXPERTS} experts top-{TOPK}, {a.tokens} tokens per rank, {a.steps} steps x "
+                            f"{a.micro} microbatches", 80), flush=True)
     failed = 0
     for policy in a.policies:
         for comm in a.comms:
@@ -279,8 +282,9 @@ def _rank(rank, world, store, a) -> None:
             if rank == 0:
                 print(line, flush=True)
     if rank == 0:
-        print(f"gpu_check: {'FAILED ' + str(failed) if failed else 'all'} of "
-              f"{len(a.policies) * len(a.comms)} cases{' failed' if failed else ' match stock'}", flush=True)
+        n = len(a.policies) * len(a.comms)
+        print(f"gpu_check: FAILED: {failed} of {n} cases" if failed else
+              f"gpu_check: every case ({n}) matches stock", flush=True)
     if failed:
         raise SystemExit(1)
 

@@ -2,6 +2,7 @@
 policy x comm against Megatron-Core's stock dispatcher through 3 optimizer steps; and its self-test
 (one of our expert weights nudged) must fail, so the check can."""
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -16,20 +17,37 @@ def _run(*argv):
                           capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
 
 
+def _cases(stdout: str) -> dict:
+    """{(policy, comm): (verdict, the case's lines joined)} from the report's blocks (a verdict line,
+    then indented lines)."""
+    cases, key = {}, None
+    for line in stdout.splitlines():
+        m = re.match(r"(\w+)\s+(direct|rails)\s+(ok|BAD) ", line)
+        if m:
+            key = (m.group(1), m.group(2))
+            cases[key] = [m.group(3), line]
+        elif key and line.startswith("    "):
+            cases[key][1] += " " + line.strip()
+        else:
+            key = None
+    return {k: tuple(v) for k, v in cases.items()}
+
+
 def test_every_policy_and_comm_matches_stock_on_four_ranks():
     proc = _run()
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    lines = [ln for ln in proc.stdout.splitlines() if " ok " in ln]
-    assert len(lines) == 10, proc.stdout
-    for ln in lines:
-        if not ln.startswith("none"):
-            assert "weights 0.0 MiB" not in ln, ln  # a balancing policy moved weights
-        if " rails " in ln:
-            assert "sprayed 0/" not in ln, ln
-    assert "all of 10 cases match stock" in proc.stdout
+    cases = _cases(proc.stdout)
+    assert len(cases) == 10 and all(v == "ok" for v, _ in cases.values()), proc.stdout
+    for (policy, comm), (_, text) in cases.items():
+        if policy != "none":
+            assert "weights 0.0 MiB" not in text, text  # a balancing policy moved weights
+        if comm == "rails":
+            assert "sprayed 0/" not in text, text
+    assert "every case (10) matches stock" in proc.stdout
+    assert max(len(line) for line in proc.stdout.splitlines()) <= 80, proc.stdout
 
 
 def test_a_nudged_weight_fails_the_check():
     proc = _run("--perturb", "--policies", "fsep", "ultraep", "--comms", "rails")
     assert proc.returncode == 1, proc.stdout + proc.stderr
-    assert proc.stdout.count(" BAD ") == 2, proc.stdout
+    assert [v for v, _ in _cases(proc.stdout).values()] == ["BAD", "BAD"], proc.stdout
