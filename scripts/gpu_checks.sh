@@ -45,7 +45,7 @@ ep1=$!
 SITE=/tmp/site-ep2 RUN_TIMEOUT=${RUN_TIMEOUT:-100} WORLDS=2 PORT_BASE=29500 bash scripts/gpu_pretrain_check.sh "$MLM" "$OUT/ep2" \
   > "$OUT/ep2.txt" 2>&1 &
 ep2=$!
-wait $check; say "gpu_check: exit $?"; grep -v "^\[\|Warning\|warn" "$OUT/gpu_check.log" | tail -14 | tee -a "$OUT/summary.txt"
+wait $check; say "gpu_check: exit $?"; grep -v "^\[\|Warning\|warn\|spawn.py" "$OUT/gpu_check.log" | tail -40 | tee -a "$OUT/summary.txt"
 wait $ep1; say "pretrain, 1 rank (NCCL): exit $?"; cat "$OUT/ep1/table.md" >> "$OUT/summary.txt" 2>/dev/null
 wait $ep2; say "pretrain, 2 ranks (gloo): exit $?"; cat "$OUT/ep2/table.md" >> "$OUT/summary.txt" 2>/dev/null
 tar czf "$OUT/pretrain.tgz" -C "$OUT" setup setup.txt ep1 ep2 ep1.txt ep2.txt local-mixtral-8x7b.txt local-mixtral-8x22b.txt \
