@@ -15,7 +15,8 @@
 set -u
 [ $# -eq 2 ] || { echo "usage: bash scripts/gpu_checks.sh MEGATRON_LM_DIR OUTDIR" >&2; exit 2; }
 REPO=$(cd "$(dirname "$0")/.." && pwd)
-MLM=$(cd "$1" && pwd) || exit 2
+[ -f "$1/pretrain_gpt.py" ] || { echo "gpu_checks: $1/pretrain_gpt.py not found (give a Megatron-LM checkout)" >&2; exit 2; }
+MLM=$(cd "$1" && pwd)
 mkdir -p "$2" && OUT=$(cd "$2" && pwd)
 PY=${PYTHON:-python3}
 export PYTHONPATH="$REPO:$MLM${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
