@@ -63,7 +63,8 @@ class TraceRecorder:
             rec.layers.append([])
             rec._wrap(i, disp.planner)
         d0 = found[0]
-        rec.meta = {"ranks": int(d0.ep_size), "experts": int(d0.num_experts), "policy": d0.pcfg.policy,
+        # the policy that ran (the runtime's: with one EP rank, none whatever was asked)
+        rec.meta = {"ranks": int(d0.ep_size), "experts": int(d0.num_experts), "policy": d0.runtime.policy.policy,
                     "topk": int(d0.config.moe_router_topk), "hidden": int(d0.config.hidden_size)}
         return rec
 
