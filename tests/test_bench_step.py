@@ -22,6 +22,13 @@ def test_more_ranks_than_cores_is_refused(tmp_path):
     assert not (tmp_path / "s.json").exists()
 
 
+def test_rounds_out_of_range_is_refused(tmp_path):
+    p = subprocess.run(CLI + ["--out", str(tmp_path / "s.json"), "--rounds", "0"], capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 2 and "Traceback" not in p.stderr
+    assert "--rounds must be >= 1" in p.stderr.strip().splitlines()[-1], p.stderr
+
+
 def test_quick_run_rows(tmp_path):
     out = tmp_path / "s.json"
     ranks = min(2, len(os.sched_getaffinity(0)))
@@ -29,6 +36,7 @@ def test_quick_run_rows(tmp_path):
                        capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
     res = json.loads(out.read_text())
+    assert res["meta"]["reps"] == 1  # --quick: one timed round
     rows = {(r["skew"], r["policy"]): r for r in res["rows"]}
     skews = {"uniform", "zipf:1.2", "zipf:2.0", "balanced"}
     policies = {"none", "eplb", "ultraep", "lp", "fsep", "default"}

@@ -145,7 +145,8 @@ def cmd_bench(args) -> int:
         from ..bench.step import BenchError, bench_step
 
         try:
-            bench_step(args.out, ranks=args.ranks, microbatches=args.microbatches, quick=args.quick, plot=args.plot)
+            bench_step(args.out, ranks=args.ranks, microbatches=args.microbatches, quick=args.quick, plot=args.plot,
+                       reps=args.rounds)
         except BenchError as err:  # bad arguments, found before any rank starts
             raise InputError(str(err)) from None
         return 0
@@ -214,6 +215,8 @@ def _add_bench(sub) -> None:
                    help="step: gloo ranks, one core each (at most the cores)")
     b.add_argument("--microbatches", type=int_range("--microbatches", 1, 1024), default=8,
                    help="step: microbatches per optimizer step")
+    b.add_argument("--rounds", type=int_range("--rounds", 1, 1000), default=None,
+                   help="step: timed rounds (default 6, 1 with --quick); more rounds, tighter medians")
     b.set_defaults(func=cmd_bench)
 
 
