@@ -103,8 +103,8 @@ def _rows_for(policy: str, skew: str, shape: dict, dtype, device, reps: int, syn
         return x[so.token_P], so.probs_P
 
     def ours_regroup():
-        state_ours["order"], inverse, per_slot = receive_order(plan, me, device)
-        order = state_ours["order"]
+        order, _, per_slot = receive_order(plan, me, device)
+        state_ours["order"] = order  # combine puts the rows back with it
         state_ours["n_owner"] = int(per_slot[:L_own].sum())
         return rows(x_recv, order), rows(pr_recv, order)
 

@@ -17,10 +17,17 @@ import numpy as np
 import torch
 
 
+def _host_rows(n: int, device) -> torch.Tensor:
+    """An int64 [2, n] host buffer for two per-plan rows bound for `device`: filled through
+    .numpy(), then sent by one `.to(device, non_blocking=True)`. Pinned for CUDA, so that copy does
+    not wait for the device (the caching host allocator keeps the block until the copy is done)."""
+    return torch.empty((2, n), dtype=torch.int64, pin_memory=torch.device(device).type == "cuda")
+
+
 def permutation_and_inverse(order_N: np.ndarray, device) -> tuple[torch.Tensor, torch.Tensor]:
     """A permutation (numpy) and its inverse as int64 tensors on `device`, in one host-to-device copy
     (on CUDA from pinned memory, not waiting for the device)."""
-    both = torch.empty((2, order_N.size), dtype=torch.int64, pin_memory=torch.device(device).type == "cuda")
+    both = _host_rows(order_N.size, device)
     both_np = both.numpy()
     both_np[0] = order_N
     both_np[1, order_N] = np.arange(order_N.size)
@@ -167,12 +174,11 @@ def order_pairs_on_device(plan, me: int, routing_map: torch.Tensor, probs: torch
     if P == 0:
         none = torch.zeros(0, dtype=torch.int64, device=dev)
         return _send_order(plan, me, runs_of_me, none, probs, T, E, uniform)
-    begin_M = np.cumsum(n_M) - n_M
-    send_begin_M = np.empty_like(n_M)
-    send_begin_M[runs] = np.cumsum(n_M[runs]) - n_M[runs]
-    table = torch.from_numpy(np.stack([begin_M + n_M, send_begin_M - begin_M - 1]))
-    if dev.type == "cuda":
-        table = table.pin_memory()
+    table = _host_rows(n_M.size, dev)
+    end_M, shift_M = table.numpy()
+    np.cumsum(n_M, out=end_M)  # run ends in the stream (exclusive)
+    shift_M[runs] = np.cumsum(n_M[runs]) - n_M[runs]  # send start of every run ...
+    shift_M -= end_M - n_M + 1  # ... minus its stream start, minus 1 (count is place + 1)
     end_M, shift_M = table.to(dev, non_blocking=True).unbind(0)
     routed_F = routing_map.T.contiguous().view(-1)  # F = E*T flat, expert-major: the stock stream's order
     count_F = routed_F.cumsum(0)  # int64: a routed pair's place in the stock stream, plus one
