@@ -94,7 +94,7 @@ class ExpertStore:
 
     def sources(self) -> list[torch.Tensor]:
         """The trainable tensors slot weights come from and their gradients go to: the stock
-        parameters (ResidentSlots' autograd inputs)."""
+        parameters (ReturnGate's autograd inputs)."""
         return [p for p in self.params.values() if p.requires_grad]
 
     @property
@@ -175,18 +175,34 @@ class ExpertStore:
                      send_experts=send_experts)
         return fetch, p.replica_slot_R[recv].astype(np.int64), route
 
-    def slot_params(self, placement: Placement) -> tuple[dict[int, dict[str, torch.Tensor]], torch.Tensor | None]:
-        """The resident slots' parameters for one microbatch on `placement`: ({slot: {name: tensor}},
-        anchor). With gradients on, they come through one ResidentSlots node and the anchor (an empty
-        tensor) must join the layer output, so that every rank runs that node in backward; else
-        anchor is None. A plan on a placement the window does not serve (Window.serves), or one
-        without moved slots, gets none."""
+    def _serving(self, placement: Placement) -> Window | None:
+        """The window whose resident slots a plan on `placement` computes with, if any (Window.serves;
+        a window without moved slots serves nothing: there is nothing to fetch or return)."""
         w = self.window
-        if w is None or not w.moved or not w.serves(placement):
-            return {}, None
+        return w if w is not None and w.moved and w.serves(placement) else None
+
+    def return_gate(self, placement: Placement, x_NH: torch.Tensor, probs_N: torch.Tensor):
+        """The rows the stock experts compute, through this microbatch's ReturnGate when its slots
+        will owe gradients: (x_NH, probs_N, link), link None without one. Call it before the stock
+        experts run and pass link to slot_params (the gate's backward returns the slot gradients
+        after both the stock experts' and the slots' backward, at the same point on every rank)."""
+        w = self._serving(placement)
         sources = self.sources()
-        if torch.is_grad_enabled() and any(t.requires_grad for t in sources):
-            anchor, *pieces = ResidentSlots.apply(w, self, *sources)
+        if w is None or not torch.is_grad_enabled() or not any(t.requires_grad for t in sources):
+            return x_NH, probs_N, None
+        return residency.ReturnGate.apply(w, self, x_NH, probs_N, *sources)
+
+    def slot_params(self, placement: Placement, link: torch.Tensor | None = None
+                    ) -> tuple[dict[int, dict[str, torch.Tensor]], torch.Tensor | None]:
+        """The resident slots' parameters for one microbatch on `placement`: ({slot: {name: tensor}},
+        anchor). With return_gate's link they come through one ResidentSlots node and the anchor (an
+        empty tensor) must join the layer output, so that every rank runs that node in backward; else
+        anchor is None. A plan on a placement the window does not serve gets none."""
+        w = self._serving(placement)
+        if w is None:
+            return {}, None
+        if link is not None:
+            anchor, *pieces = ResidentSlots.apply(w, self, link)
         else:
             anchor = None
             pieces = [t for row in w.weights() for t in torch.split(row[:self.flat_size], self.numels)]

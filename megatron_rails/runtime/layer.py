@@ -145,6 +145,7 @@ class LayerRuntime:
         self._recent: OrderedDict = OrderedDict()  # counts digest -> plan, the latest RECENT_PLANS
         self.plan: Optional[Plan] = None
         self.sent: Optional[SendOrder] = None
+        self.link: Optional[torch.Tensor] = None  # split_received's ReturnGate output, for merge
         self._step_forwards = 0  # training forwards (microbatches) of the latest finished step
 
     def attach(self, kind: ExpertKind, before_read=None) -> None:
@@ -296,7 +297,8 @@ class LayerRuntime:
         x_Q, probs_Q = rows(x_Q, self.recv_order, self.recv_inverse), rows(probs_Q, self.recv_order, self.recv_inverse)
         n_owner = int(per_slot[:L].sum())
         self.slot_rows = (x_Q[n_owner:], probs_Q[n_owner:], per_slot[L:])
-        return x_Q[:n_owner], per_slot[:L], probs_Q[:n_owner]
+        x_own, probs_own, self.link = self.store.return_gate(plan.placement, x_Q[:n_owner], probs_Q[:n_owner])
+        return x_own, per_slot[:L], probs_own
 
     # -- 4-6. the slots, then back ------------------------------------------------------------------
     def _slot_outputs(self, H: int) -> list[torch.Tensor]:
@@ -305,7 +307,8 @@ class LayerRuntime:
         x_N, probs_N, per_slot = self.slot_rows
         self.slot_rows = None
         L = self.plan.placement.owner_slots
-        weights, anchor = self.store.slot_params(self.plan.placement)  # waits for the fetch
+        weights, anchor = self.store.slot_params(self.plan.placement, self.link)  # waits for the fetch
+        self.link = None
         outs, start = [], 0
         for s, n in enumerate(per_slot.tolist(), start=L):
             if n:
