@@ -5,6 +5,10 @@ when the token all-to-all starts and when the stock experts compute the owner sl
 still outstanding (not waited for); the slots are computed after the stock experts; the output
 equals the stock allgather dispatcher's. The fetch runs on a process group of its own, so it does
 not queue behind the token exchanges.
+
+The slots' gradients return (a collective) only after the stock experts' backward on every rank, a
+rank without slot rows too: joining earlier, it would wait there for the other ranks' expert backward
+and they for its own afterwards (ReturnGate, runtime/residency.py).
 """
 import torch
 
@@ -68,3 +72,43 @@ def _worker(rank, world, policy):
 def test_weight_fetch_runs_under_tokens_and_owner_compute():
     for policy in ("ultraep", "fsep"):
         spawn(_worker, 2, policy)
+
+
+def _return_worker(rank, world, policy):
+    import megatron_rails
+
+    torch.manual_seed(3)
+    megatron_rails.install({"policy": policy, "slots": 2, "comm": "direct", "tolerance": 0.0})
+    try:
+        rails = build_moe_layer(moe_config(world, "alltoall", experts=E, hidden=H))
+    finally:
+        megatron_rails.uninstall()
+    with torch.no_grad():  # every token prefers expert 0: a replica of it computes on the other rank
+        rails.router.weight[0].add_(3.0)
+    store = rails.token_dispatcher.runtime.store
+    events = []
+    stock_forward = rails.experts.forward
+
+    def experts_forward(x, *args, **kwargs):
+        x = x.view_as(x)  # its gradient exists once the stock experts' backward has run
+        x.register_hook(lambda g: events.append("owners_backward"))
+        return stock_forward(x, *args, **kwargs)
+
+    def flush(window, in_graph, _flush=store.flush):
+        events.append("return")
+        return _flush(window, in_graph)
+
+    rails.experts.forward = experts_forward
+    store.flush = flush
+    x = (torch.randn(T, 1, H, generator=torch.Generator().manual_seed(rank)) + 0.5).requires_grad_()
+    rails(x)[0].sum().backward()
+    moved = rails.token_dispatcher.runtime.metrics[-1]["resident_slots"]
+    slots_here = store.window.n_rows
+    assert moved > 0, f"{policy}: expected moved slots"
+    # a rank with no slot rows of its own must not join the return before its stock experts' backward
+    # (the rank computing the slots does so after its whole expert backward)
+    assert events == ["owners_backward", "return"], f"rank {rank} ({slots_here} resident slots): {events}"
+
+
+def test_slot_gradients_return_after_every_ranks_expert_backward():
+    spawn(_return_worker, 2, "ultraep")

@@ -19,8 +19,10 @@ step hook), when `new_step()` is called (for updates no optimizer makes), or whe
 parameter's version counter moves (an in-place update autograd can see).
 
 Every flush is a collective over the EP group. All ranks run the same forwards and backwards, so
-they agree on when one is due; each layer's autograd node sits in every rank's graph (the empty
-anchor the runtime concatenates into the layer output) so that every rank joins.
+they agree on when one is due; each layer's two autograd nodes sit in every rank's graph (the empty
+anchor the runtime concatenates into the layer output keeps ResidentSlots there, and ReturnGate
+precedes it) so that every rank joins. A flush inside a backward pass runs in ReturnGate, which
+autograd reaches only after the layer's stock experts' and slots' backward on every rank alike.
 
 Shape letters (docs/architecture.md): N this rank's resident slots, W parameters of one expert.
 """
