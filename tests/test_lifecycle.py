@@ -183,7 +183,7 @@ def test_slot_gradient_rows_no_backward_reached_come_back_zero():
 
     w = Window(placement=None, key=(0,), moved=True, weights_NW=torch.ones(4, 6))
     w.slots_N = np.arange(4)
-    w.open_acc(W=5)
+    w.open_acc(W=5, dtype=torch.float32)
     assert torch.equal(w.acc_NW[:, 5:], torch.zeros(4, 1))
     w.acc_NW[:, :5] = float("nan")
     w.acc_NW[1, :5] = 2.0  # what a backward wrote into row 1
@@ -192,3 +192,33 @@ def test_slot_gradient_rows_no_backward_reached_come_back_zero():
     want = torch.zeros(4, 6)
     want[1, :5] = 2.0
     assert torch.equal(got, want)
+
+
+def test_bf16_slot_gradients_accumulate_in_the_frameworks_fp32():
+    """bf16 weights whose framework accumulates gradients in fp32 (Megatron DDP's main_grad): the
+    slots' gradients accumulate in fp32 over the step's microbatches, as the stock experts' do
+    (main_grad += grad per microbatch), not in bf16 (which would round every partial sum)."""
+    from megatron_rails.runtime import residency
+    from megatron_rails.runtime.buffers import StepBuffers
+    from megatron_rails.runtime.residency import ResidentSlots, Window
+
+    class Store:  # what ResidentSlots reads of an expert store
+        numels = [6]
+        acc_dtype = torch.float32
+        buffers = StepBuffers()
+
+    store = Store()
+    w = Window(placement=None, key=(0,), moved=True, weights_NW=torch.ones(1, 6, dtype=torch.bfloat16))
+    w.slots_N = np.arange(1)
+    grads = [torch.full((6,), v, dtype=torch.bfloat16) for v in (256.0, 1.0, 1.0, 1.0)]
+    for g in grads:  # four microbatches
+        link = torch.zeros(0, requires_grad=True)
+        _anchor, piece = ResidentSlots.apply(w, store, link)
+        piece.backward(g)
+    try:
+        acc = w.accumulated()
+        assert acc.dtype == torch.float32
+        # fp32: 259 exactly; a bf16 accumulator rounds 257 back to 256 at every step
+        assert torch.equal(acc[0], torch.full((6,), 259.0))
+    finally:
+        residency.settled(store)

@@ -11,8 +11,15 @@ spells of the machine hit all alike; ratios are taken within a round and their m
     ratio_vs_none = this step / policy none's step (same routing, same round)
     of_ideal      = policy none's forced-balanced step / this step (same round)
 Per row also: max/mean tokens per rank after balancing, expert-weight bytes moved per step (fetch
-and gradient return) beside what per-microbatch movement would send, and expert bytes per rank
-(parameters + gradients of the experts and the resident slots, measured by storage).
+and gradient return) beside what per-microbatch movement would send, expert bytes per rank
+(parameters + gradients of the experts and the resident slots, measured by storage) and the weight
+exchanges' buffers kept across steps on CPU (runtime/buffers.py).
+
+The ranks run with glibc's malloc told to keep freed memory (MALLOC_MMAP_THRESHOLD_ at its 32 MiB
+maximum, MALLOC_TRIM_THRESHOLD_ at 2 GiB, unless already set), as CUDA's caching allocator does.
+Left to its dynamic threshold, glibc maps blocks of a few MiB afresh or keeps them depending on
+which large blocks the process freed before, so one case's page faults (tens of thousands per
+step, several percent of it) depended on the cases that ran before it in the same process.
 """
 from __future__ import annotations
 
@@ -114,6 +121,9 @@ class _Null:
         return False
 
 
+MALLOC_KEEP = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(2 << 30)}
+
+
 def expert_bytes(layer) -> tuple[int, int]:
     """(bytes of the experts module's parameters and gradients, distinct storages; bytes of the
     resident slots' weights and their gradient accumulator, the same size) for one layer on a rank."""
@@ -137,6 +147,11 @@ def _measure_memory(layers, xs) -> tuple[int, int]:
     for p in layers.parameters():
         p.grad = None
     return int(got[0]), int(got[1])
+
+
+def buffer_bytes(layers) -> int:
+    """Bytes the layers' expert stores keep across steps for their weight exchanges."""
+    return sum(layer.token_dispatcher.store.buffers.nbytes() for layer in layers)
 
 
 def _worker(rank, world, store, shape, micro, reps, warmup, out):
@@ -177,7 +192,8 @@ def _worker(rank, world, store, shape, micro, reps, warmup, out):
                      # fetched once, gradients returned once (same size)
                      "weight_bytes_per_step": 2.0 * fetch,
                      "weight_bytes_per_step_if_per_microbatch": 2.0 * per_micro,
-                     "expert_bytes_per_rank": experts + slots, "slot_bytes": slots})
+                     "expert_bytes_per_rank": experts + slots, "slot_bytes": slots,
+                     "buffer_bytes_per_rank": buffer_bytes(built[(skew, p)])})
     if rank == 0:
         with open(out, "w") as f:
             json.dump(rows, f)
@@ -221,14 +237,24 @@ def bench_step(out: str, ranks: int = 2, microbatches: int = 8, quick: bool = Fa
           f"{shape['tokens']} tokens/rank/microbatch, {microbatches} microbatches/step, "
           f"{len(SKEWS) * len(POLICIES)} cases x {reps + warmup} rounds", file=sys.stderr)
     tmp = out + ".rows"
-    with tempfile.TemporaryDirectory(prefix="rails-bench-") as rdzv:
-        mp.start_processes(_worker, args=(ranks, f"{rdzv}/store", shape, microbatches, reps, warmup, tmp),
-                           nprocs=ranks, start_method="spawn")
+    kept = {k: os.environ.get(k) for k in MALLOC_KEEP}
+    os.environ.update({k: os.environ.get(k) or v for k, v in MALLOC_KEEP.items()})  # read by the ranks' glibc
+    try:
+        with tempfile.TemporaryDirectory(prefix="rails-bench-") as rdzv:
+            mp.start_processes(_worker, args=(ranks, f"{rdzv}/store", shape, microbatches, reps, warmup, tmp),
+                               nprocs=ranks, start_method="spawn")
+    finally:
+        for k, v in kept.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     with open(tmp) as f:
         rows = json.load(f)
     os.remove(tmp)
     res = {"meta": {"command": "megatron-rails bench step", "ranks": ranks, "microbatches": microbatches,
                     "shape": shape, "reps": reps, "warmup": warmup, "lr": LR,
+                    "malloc": {k: os.environ.get(k) or v for k, v in MALLOC_KEEP.items()},
                     "note": "CPU gloo, one rank per core. ratio_vs_none and of_ideal are medians of ratios "
                             "taken within a round (see megatron_rails/bench/step.py)."},
            "rows": rows, "targets": targets(rows)}
@@ -243,13 +269,13 @@ def bench_step(out: str, ranks: int = 2, microbatches: int = 8, quick: bool = Fa
 def table(rows: list[dict]) -> str:
     """The rows as a markdown table (docs/benchmarks.md)."""
     head = ("| routing | policy | step ms | vs none | of ideal | max/mean after | weight MB/step "
-            "(per-microbatch) | expert MB/rank |\n|---|---|---|---|---|---|---|---|")
+            "(per-microbatch) | expert MB/rank | kept buffers MB/rank |\n|---|---|---|---|---|---|---|---|---|")
     lines = [head]
     for r in rows:
         lines.append(f"| {r['skew']} | {r['policy']} | {r['step_ms_p50']:.0f} | {r['ratio_vs_none']:.2f} | "
                      f"{r['of_ideal']:.2f} | {r['max_over_mean_after']:.2f} | {r['weight_bytes_per_step'] / 1e6:.1f} "
                      f"({r['weight_bytes_per_step_if_per_microbatch'] / 1e6:.1f}) | "
-                     f"{r['expert_bytes_per_rank'] / 1e6:.1f} |")
+                     f"{r['expert_bytes_per_rank'] / 1e6:.1f} | {r.get('buffer_bytes_per_rank', 0) / 1e6:.1f} |")
     return "\n".join(lines)
 
 
