@@ -199,13 +199,11 @@ def test_bf16_slot_gradients_accumulate_in_the_frameworks_fp32():
     slots' gradients accumulate in fp32 over the step's microbatches, as the stock experts' do
     (main_grad += grad per microbatch), not in bf16 (which would round every partial sum)."""
     from megatron_rails.runtime import residency
-    from megatron_rails.runtime.buffers import StepBuffers
     from megatron_rails.runtime.residency import ResidentSlots, Window
 
     class Store:  # what ResidentSlots reads of an expert store
         numels = [6]
         acc_dtype = torch.float32
-        buffers = StepBuffers()
 
     store = Store()
     w = Window(placement=None, key=(0,), moved=True, weights_NW=torch.ones(1, 6, dtype=torch.bfloat16))

@@ -11,9 +11,8 @@ spells of the machine hit all alike; ratios are taken within a round and their m
     ratio_vs_none = this step / policy none's step (same routing, same round)
     of_ideal      = policy none's forced-balanced step / this step (same round)
 Per row also: max/mean tokens per rank after balancing, expert-weight bytes moved per step (fetch
-and gradient return) beside what per-microbatch movement would send, expert bytes per rank
-(parameters + gradients of the experts and the resident slots, measured by storage) and the weight
-exchanges' buffers kept across steps on CPU (runtime/buffers.py).
+and gradient return) beside what per-microbatch movement would send, and expert bytes per rank
+(parameters + gradients of the experts and the resident slots, measured by storage).
 
 The ranks run with glibc's malloc told to keep freed memory (MALLOC_MMAP_THRESHOLD_ at its 32 MiB
 maximum, MALLOC_TRIM_THRESHOLD_ at 2 GiB, unless already set), as CUDA's caching allocator does.
@@ -149,11 +148,6 @@ def _measure_memory(layers, xs) -> tuple[int, int]:
     return int(got[0]), int(got[1])
 
 
-def buffer_bytes(layers) -> int:
-    """Bytes the layers' expert stores keep across steps for their weight exchanges."""
-    return sum(layer.token_dispatcher.store.buffers.nbytes() for layer in layers)
-
-
 def _worker(rank, world, store, shape, micro, reps, warmup, out):
     os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[rank]})  # one core per rank
     torch.set_num_threads(1)
@@ -192,8 +186,7 @@ def _worker(rank, world, store, shape, micro, reps, warmup, out):
                      # fetched once, gradients returned once (same size)
                      "weight_bytes_per_step": 2.0 * fetch,
                      "weight_bytes_per_step_if_per_microbatch": 2.0 * per_micro,
-                     "expert_bytes_per_rank": experts + slots, "slot_bytes": slots,
-                     "buffer_bytes_per_rank": buffer_bytes(built[(skew, p)])})
+                     "expert_bytes_per_rank": experts + slots, "slot_bytes": slots})
     if rank == 0:
         with open(out, "w") as f:
             json.dump(rows, f)
@@ -269,13 +262,13 @@ def bench_step(out: str, ranks: int = 2, microbatches: int = 8, quick: bool = Fa
 def table(rows: list[dict]) -> str:
     """The rows as a markdown table (docs/benchmarks.md)."""
     head = ("| routing | policy | step ms | vs none | of ideal | max/mean after | weight MB/step "
-            "(per-microbatch) | expert MB/rank | kept buffers MB/rank |\n|---|---|---|---|---|---|---|---|---|")
+            "(per-microbatch) | expert MB/rank |\n|---|---|---|---|---|---|---|---|")
     lines = [head]
     for r in rows:
         lines.append(f"| {r['skew']} | {r['policy']} | {r['step_ms_p50']:.0f} | {r['ratio_vs_none']:.2f} | "
                      f"{r['of_ideal']:.2f} | {r['max_over_mean_after']:.2f} | {r['weight_bytes_per_step'] / 1e6:.1f} "
                      f"({r['weight_bytes_per_step_if_per_microbatch'] / 1e6:.1f}) | "
-                     f"{r['expert_bytes_per_rank'] / 1e6:.1f} | {r.get('buffer_bytes_per_rank', 0) / 1e6:.1f} |")
+                     f"{r['expert_bytes_per_rank'] / 1e6:.1f} |")
     return "\n".join(lines)
 
 

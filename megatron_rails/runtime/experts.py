@@ -25,35 +25,20 @@ from ..core.plan import Placement, owner_of_experts
 from . import residency
 from .comm.base import Pending
 from .expert_kind import ExpertKind
-from .buffers import StepBuffers
 from .local import permutation_and_inverse
 from .residency import ResidentSlots, Window
 
 
-def _slot_major(got: torch.Tensor, D: int, n: int, out: torch.Tensor | None = None) -> torch.Tensor:
-    """[D * n, shard] received by source rank -> [n, D * shard]: every slot's D shards in a row
-    (into `out` when given)."""
+def _slot_major(got: torch.Tensor, D: int, n: int) -> torch.Tensor:
+    """[D * n, shard] received by source rank -> [n, D * shard]: every slot's D shards in a row."""
     shard = got.shape[-1]
-    if out is None:
-        return got.view(D, n, shard).transpose(0, 1).reshape(n, D * shard)
-    out.view(n, D, shard).copy_(got.view(D, n, shard).transpose(0, 1))
-    return out
+    return got.view(D, n, shard).transpose(0, 1).reshape(n, D * shard)
 
 
-def _rank_major(flat: torch.Tensor, D: int, out: torch.Tensor | None = None) -> torch.Tensor:
-    """The inverse of _slot_major: [n, D * shard] -> [D * n, shard], shard k of every slot for rank k
-    (into `out` when given)."""
+def _rank_major(flat: torch.Tensor, D: int) -> torch.Tensor:
+    """The inverse of _slot_major: [n, D * shard] -> [D * n, shard], shard k of every slot for rank k."""
     n, shard = flat.shape[0], flat.shape[1] // D
-    if out is None:
-        return flat.view(n, D, shard).transpose(0, 1).reshape(D * n, shard)
-    out.view(D, n, shard).copy_(flat.view(n, D, shard).transpose(0, 1))
-    return out
-
-
-def _exchange_weights(route: dict, x: torch.Tensor, send_D, recv_D, traffic_DD, out=None) -> torch.Tensor:
-    """One weight (gradient) exchange of a window's route, now: on the comm's side group like the
-    fetch (weights never go through the token exchanges' autograd), into `out` when given."""
-    return route["comm"].exchange_async(x, send_D, recv_D, traffic_DD, out=out).wait()
+    return flat.view(n, D, shard).transpose(0, 1).reshape(D * n, shard)
 
 
 class ExpertStore:
@@ -80,7 +65,6 @@ class ExpertStore:
         self.shapes = [t.shape for t in first]
         self.numels = [t.numel() for t in first]
         self.window: Window | None = None  # the resident slots (runtime/residency.py)
-        self.buffers = StepBuffers()  # the weight exchanges' large buffers, kept across steps on CPU
         self.defer_flush = False  # the framework calls residency.flush_pending() before reading gradients
         residency.register(self)
 
@@ -151,7 +135,7 @@ class ExpertStore:
         runs in the background (exchange_async) until the window's weights are first read, the
         gradients return by comm.exchange."""
         self.window = Window(placement, self.key(), bool(placement.is_moved_R.any()))
-        self.window.add_part(*self._fetch(placement, np.ones(placement.num_replicas, dtype=bool), comm, 0))
+        self.window.add_part(*self._fetch(placement, np.ones(placement.num_replicas, dtype=bool), comm))
         return self.window
 
     @torch.no_grad()
@@ -161,15 +145,14 @@ class ExpertStore:
         w = self.window
         old = w.placement.slot_expert_DS
         new_R = old[placement.replica_rank_R, placement.replica_slot_R] < 0
-        w.add_part(*self._fetch(placement, new_R, comm, len(w.routes)))
+        w.add_part(*self._fetch(placement, new_R, comm))
         w.placement = placement
         w.moved = w.moved or bool((placement.is_moved_R & new_R).any())
         return w
 
-    def _fetch(self, p: Placement, which_R: np.ndarray, comm, part: int) -> tuple:
+    def _fetch(self, p: Placement, which_R: np.ndarray, comm) -> tuple:
         """Start fetching the moved replicas of `p` among which_R (bool over its replicas) from their
-        owners, as the window's part `part`: (Pending of this rank's [n, W] rows, their slots int64
-        [n], the return route)."""
+        owners: (Pending of this rank's [n, W] rows, their slots int64 [n], the return route)."""
         D, me = self.num_ranks, self.rank
         moved = np.flatnonzero(p.is_moved_R & which_R)
         owner = self.owner_E[p.replica_expert_R[moved]]
@@ -182,17 +165,14 @@ class ExpertStore:
         recv_D = np.bincount(self.owner_E[p.replica_expert_R[recv]], minlength=D).tolist()
         send_experts = p.replica_expert_R[send]
         ref = next(iter(self.params.values()))
-        # the owner rows sent (the same shape as their gradients coming back: one buffer for both)
-        buf = self.buffers.get(f"owner_rows{part}", (len(send), self.flat_size), ref.dtype, ref.device)
-        for row, e in zip(buf, send_experts):
-            torch.cat([t.detach().reshape(-1) for t in self._views(int(e))], out=row)
+        buf = torch.stack([self._flat(int(e)) for e in send_experts]) if send.size else \
+            ref.new_zeros((0, self.flat_size))
         # the whole exchange, known to every rank from the placement (a RailS backend needs it)
         traffic_DD = np.zeros((D, D), dtype=np.int64)
         np.add.at(traffic_DD, (owner, dest), 1)
-        got = self.buffers.get(f"slots{part}", (len(recv), self.flat_size), ref.dtype, ref.device)
-        fetch = comm.exchange_async(buf, send_D, recv_D, traffic_DD, out=got) if moved.size else Pending.done(buf)
-        route = dict(comm=comm, send_D=send_D, recv_D=recv_D, traffic_DD=traffic_DD, send_experts=send_experts,
-                     part=part)
+        fetch = comm.exchange_async(buf, send_D, recv_D, traffic_DD) if moved.size else Pending.done(buf)
+        route = dict(exchange=comm.exchange, send_D=send_D, recv_D=recv_D, traffic_DD=traffic_DD,
+                     send_experts=send_experts)
         return fetch, p.replica_slot_R[recv].astype(np.int64), route
 
     def _serving(self, placement: Placement) -> Window | None:
@@ -242,10 +222,8 @@ class ExpertStore:
         nothing afterwards."""
         acc, start, back = self._acc(window), 0, []
         for r, n in window.routes:
-            rows = self.buffers.get(f"owner_rows{r['part']}", (len(r["send_experts"]), acc.shape[1]), acc.dtype,
-                                    acc.device)
-            back.append(_exchange_weights(r, acc[start:start + n], r["recv_D"], r["send_D"],
-                                          np.ascontiguousarray(r["traffic_DD"].T), out=rows))
+            back.append(r["exchange"](acc[start:start + n], r["recv_D"], r["send_D"],
+                                      np.ascontiguousarray(r["traffic_DD"].T)))
             start += n
         window.acc_NW, window.pending = None, False
         residency.settled(self)
@@ -450,10 +428,9 @@ class ShardedExpertStore(ExpertStore):
         self.release_stock()  # memory a checkpoint or a framework's cast gave them back
         return super().open_window(placement, comm)
 
-    def _fetch(self, p: Placement, which_R: np.ndarray, comm, part: int) -> tuple:
-        """Start gathering the slots of `p` among which_R from every rank's shards, as the window's
-        part `part`: (Pending of this rank's [n, D * shard] rows, their slots int64 [n], the return
-        route)."""
+    def _fetch(self, p: Placement, which_R: np.ndarray, comm) -> tuple:
+        """Start gathering the slots of `p` among which_R from every rank's shards: (Pending of this
+        rank's [n, D * shard] rows, their slots int64 [n], the return route)."""
         D, me = self.num_ranks, self.rank
         order = np.lexsort((p.replica_slot_R, p.replica_rank_R))  # every slot, by (rank, slot)
         order = order[which_R[order]]
@@ -467,29 +444,20 @@ class ShardedExpertStore(ExpertStore):
         n_send = np.bincount(dest, minlength=D)
         traffic_DD = np.broadcast_to(n_send, (D, D))  # every rank sends its shard of every slot
         buf = self.shards.detach() if idx is None else self.shards.detach().index_select(0, idx.rows)
-        # [D * n_mine, shard] by source rank, then every slot's D shards in a row (the rank-major
-        # buffer serves the gradients' return too)
-        shards = self.shards
-        got = self.buffers.get(f"rank_major{part}", (D * n_mine, self.shard), shards.dtype, shards.device)
-        slots = self.buffers.get(f"slots{part}", (n_mine, D * self.shard), shards.dtype, shards.device)
-        fetch = comm.exchange_async(buf, n_send.tolist(), [n_mine] * D, traffic_DD, out=got).map(
-            lambda got: _slot_major(got, D, n_mine, out=slots))
-        route = dict(comm=comm, idx=idx, n_send=n_send.tolist(), n_mine=n_mine, traffic_DD=traffic_DD, part=part)
+        # [D * n_mine, shard] by source rank, then every slot's D shards in a row
+        fetch = comm.exchange_async(buf, n_send.tolist(), [n_mine] * D, traffic_DD).map(
+            lambda got: _slot_major(got, D, n_mine))
+        route = dict(exchange=comm.exchange, idx=idx, n_send=n_send.tolist(), n_mine=n_mine, traffic_DD=traffic_DD)
         return fetch, p.replica_slot_R[order][mine].astype(np.int64), route
 
-    def _return_grads(self, window: Window, kept: bool = False) -> torch.Tensor:
+    def _return_grads(self, window: Window) -> torch.Tensor:
         """Every slot's accumulated gradient, cut into D shards, back to the shard holders, part by
-        part: float [E, ceil(W/D)], this rank's shards' gradients. kept: the caller only reads the
-        result (it may live in a buffer kept for the next step); else it is a tensor of its own."""
+        part: float [E, ceil(W/D)], this rank's shards' gradients."""
         D, acc, start = self.num_ranks, self._acc(window), 0
         total = None
         for r, n in window.routes:
-            send = self.buffers.get(f"rank_major{r['part']}", (D * n, acc.shape[1] // D), acc.dtype, acc.device)
-            n_back = int(sum(r["n_send"]))
-            recv = self.buffers.get("shard_grads", (n_back, send.shape[1]), acc.dtype, acc.device) \
-                if kept or r["idx"] is not None or total is not None else None
-            back = _exchange_weights(r, _rank_major(acc[start:start + n], D, out=send), [r["n_mine"]] * D,
-                                     r["n_send"], np.ascontiguousarray(r["traffic_DD"].T), out=recv)
+            back = r["exchange"](_rank_major(acc[start:start + n], D), [r["n_mine"]] * D, r["n_send"],
+                                 np.ascontiguousarray(r["traffic_DD"].T))
             start += n
             grad = back.view(self.shards.shape) if r["idx"] is None else r["idx"].scatter(back)
             total = grad if total is None else total.add_(grad)
@@ -501,9 +469,9 @@ class ShardedExpertStore(ExpertStore):
     def flush(self, window: Window, in_graph: bool) -> list:
         """Return the window's slot gradients to the shards (collective): into `main_grad` where the
         framework keeps one, else as the shards' gradient (in_graph) or into `.grad`."""
+        grad = self._return_grads(window)
         shards = self.shards
         main_grad = getattr(shards, "main_grad", None)
-        grad = self._return_grads(window, kept=main_grad is not None)
         if main_grad is not None:
             main_grad.add_(grad)
             return self.idle_grads()

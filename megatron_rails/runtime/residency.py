@@ -149,13 +149,9 @@ class Window:
             self.acc_NW = torch.cat([self.acc_NW, self.acc_NW.new_zeros((n, self.acc_NW.shape[1]))])
             self.acc_fresh = np.concatenate([self.acc_fresh, np.zeros(n, dtype=bool)])
 
-    def open_acc(self, W: int, dtype: torch.dtype, buffers=None) -> None:
-        """Allocate acc_NW for every row in `dtype` (empty; the padding past the W real columns
-        zeroed), from `buffers` (runtime/buffers.StepBuffers) when given."""
-        shape = (self.n_rows, self.weights_NW.shape[1])
-        w = self.weights_NW
-        self.acc_NW = buffers.get("acc", shape, dtype, w.device) if buffers is not None else \
-            w.new_empty(shape, dtype=dtype)
+    def open_acc(self, W: int, dtype: torch.dtype) -> None:
+        """Allocate acc_NW for every row in `dtype` (empty; the padding past the W real columns zeroed)."""
+        self.acc_NW = self.weights_NW.new_empty((self.n_rows, self.weights_NW.shape[1]), dtype=dtype)
         self.acc_NW[:, W:].zero_()
         self.acc_fresh = np.ones(self.n_rows, dtype=bool)
 
@@ -269,7 +265,7 @@ class ResidentSlots(torch.autograd.Function):
             if window.acc_NW is None:  # every row of the window, those of parts still arriving too
                 # in the dtype the framework accumulates the sources' gradients in (Megatron DDP's
                 # fp32 main_grad under bf16 weights), as the stock experts' gradients accumulate
-                window.open_acc(W, store.acc_dtype, store.buffers)
+                window.open_acc(W, store.acc_dtype)
             fresh = window.acc_fresh[i]  # the row's first gradients: written, not added into zeros
             window.acc_fresh[i] = False
             for g, piece in zip(row, torch.split(window.acc_NW[i, :W], store.numels)):

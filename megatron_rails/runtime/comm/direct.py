@@ -1,7 +1,7 @@
 """The direct exchange (`comm: direct`): one autograd-aware uneven `all_to_all_single`."""
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Sequence
 
 import torch
 import torch.distributed as dist
@@ -19,16 +19,13 @@ def _a2a(x: torch.Tensor, send_D: Sequence[int], recv_D: Sequence[int], group) -
 
 
 @torch.no_grad()
-def start_all_to_all(x: torch.Tensor, send_D: Sequence[int], recv_D: Sequence[int], group,
-                     out: Optional[torch.Tensor] = None) -> Pending:
+def start_all_to_all(x: torch.Tensor, send_D: Sequence[int], recv_D: Sequence[int], group) -> Pending:
     """all_to_all's exchange started in the background on `group` (not differentiable): the
-    Pending's wait() gives [sum(recv_D), ...] rows in source-rank order, received into `out` when
-    given (contiguous, that shape and x's dtype)."""
+    Pending's wait() gives [sum(recv_D), ...] rows in source-rank order."""
     if dist.get_world_size(group) == 1:
         return Pending.done(x)
     send = x.detach().contiguous()
-    if out is None:
-        out = x.new_empty((int(sum(recv_D)),) + tuple(x.shape[1:]))
+    out = x.new_empty((int(sum(recv_D)),) + tuple(x.shape[1:]))
     try:
         work = dist.all_to_all_single(out, send, list(map(int, recv_D)), list(map(int, send_D)), group=group,
                                       async_op=True)
@@ -73,10 +70,9 @@ class DirectAllToAll:
         return all_to_all(x, send_D, recv_D, self.group)
 
     def exchange_async(self, x: torch.Tensor, send_D: Sequence[int], recv_D: Sequence[int],
-                       traffic_DD=None, out: Optional[torch.Tensor] = None) -> Pending:
-        """exchange() started in the background on a side group (not differentiable; for weights),
-        received into `out` when given."""
-        return start_all_to_all(x, send_D, recv_D, side_group(self.group), out=out)
+                       traffic_DD=None) -> Pending:
+        """exchange() started in the background on a side group (not differentiable; for weights)."""
+        return start_all_to_all(x, send_D, recv_D, side_group(self.group))
 
     def sprays(self, traffic_DD) -> bool:
         return False

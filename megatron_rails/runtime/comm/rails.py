@@ -104,13 +104,13 @@ class RailsAllToAll:
         return self._spray(x, steps, row_bytes)
 
     def exchange_async(self, x: torch.Tensor, send_D: Sequence[int], recv_D: Sequence[int],
-                       traffic_DD: Optional[np.ndarray] = None, out: Optional[torch.Tensor] = None) -> Pending:
+                       traffic_DD: Optional[np.ndarray] = None) -> Pending:
         """exchange() started in the background (not differentiable; for weights). A direct exchange
-        runs on a side group, into `out` when given; a sprayed one runs now (each phase sends what
-        the previous delivered; its result is a fresh tensor), and the Pending is already done."""
+        runs on a side group; a sprayed one runs now (each phase sends what the previous delivered),
+        and the Pending is already done."""
         steps, row_bytes = self._route(x, send_D, recv_D, traffic_DD)
         if steps is None:
-            return start_all_to_all(x, send_D, recv_D, side_group(self.group), out=out)
+            return start_all_to_all(x, send_D, recv_D, side_group(self.group))
         with torch.no_grad():
             return Pending.done(self._spray(x, steps, row_bytes))
 
