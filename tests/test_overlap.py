@@ -111,4 +111,5 @@ def _return_worker(rank, world, policy):
 
 
 def test_slot_gradients_return_after_every_ranks_expert_backward():
-    spawn(_return_worker, 2, "ultraep")
+    for policy in ("ultraep", "fsep"):
+        spawn(_return_worker, 2, policy)

@@ -201,6 +201,10 @@ class ExpertStore:
         w = self._serving(placement)
         if w is None:
             return {}, None
+        if link is None and torch.is_grad_enabled() and any(t.requires_grad for t in self.sources()):
+            # without the gate the slots' gradients would be dropped, silently
+            raise RuntimeError("slot_params: gradients are on and the slots' weights train: pass the link "
+                               "return_gate made for this microbatch")
         if link is not None:
             anchor, *pieces = ResidentSlots.apply(w, self, link)
         else:

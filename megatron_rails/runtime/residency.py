@@ -207,10 +207,11 @@ class ReturnGate(torch.autograd.Function):
     other's whole expert backward, every layer (bench step measured ~35 ms a layer at zipf 2.0).
 
     forward(window, store, x_NH, probs_N, *sources) -> (x_NH, probs_N as views; empty `link`).
-    backward: when gradients are due (`syncing()`), the store returns the window's accumulated slot
-    gradients (ResidentSlots' backward put them there) and this node hands autograd the sources'
-    gradients; the sources are inputs so that their AccumulateGrad (where Megatron DDP's
-    gradient-ready hook sits) runs after this node."""
+    backward: when gradients are owed (ResidentSlots' backward put them in the window's
+    accumulator) and due (`syncing()`, and the store does not defer every return to
+    flush_pending()), the store returns them and this node hands autograd the sources' gradients;
+    the sources are inputs so that their AccumulateGrad (where Megatron DDP's gradient-ready hook
+    sits) runs after this node."""
 
     @staticmethod
     def forward(ctx, window: Window, store, x_NH, probs_N, *sources):
@@ -243,7 +244,7 @@ class ResidentSlots(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, window: Window, store, link):
-        ctx.window, ctx.store = window, store
+        ctx.window, ctx.store, ctx.link_device = window, store, link.device
         ctx.set_materialize_grads(False)
         numels = store.numels
         W = sum(numels)
@@ -278,7 +279,9 @@ class ResidentSlots(torch.autograd.Function):
                     piece.view(g.shape).add_(g)
         window.pending = True
         owes(store)
-        return None, None, None
+        # a defined (empty) gradient for link: ReturnGate then always gets one on the device, so the
+        # engine runs it where it runs the rest of the layer's backward
+        return None, None, torch.zeros(0, device=ctx.link_device)
 
 
 def stale_warning(store) -> None:

@@ -40,7 +40,9 @@ rails (`CommModel`):
             under that model, and the plan's real pair rows to b times that ratio are the distinct
             rows (so topk = 1 changes no byte, and dedup never adds one).
   weights   owner layout (eplb, ultraep, lp): every replica with tokens that is not an owner copy is
-            fetched whole from its owner (3HF x 2 bytes); its gradient returns the same way (bf16).
+            fetched whole from its owner (3HF x 2 bytes); its gradient returns the same way, in fp32
+            (4 bytes: Megatron accumulates and reduces gradients in fp32 under bf16, and the dispatcher
+            accumulates and returns slot gradients in the framework's gradient dtype).
             Sharded layout (fsep): every slot with tokens gathers the 1/D shard of its expert from each
             other rank (the forward all-gather) and returns the gradient shards (the backward
             reduce-scatter). Weights move in 1 MiB units, so RailS can spray them. `--weight-sync
@@ -85,7 +87,7 @@ class SimOptions:
     a2a_model: str = "fluid"      # fluid | phased (megatron_rails.sim.rails)
     weight_sync: str = "iteration"  # iteration (resident for the step) | microbatch
     dtype_bytes: int = 2          # activations and weights (bf16)
-    grad_bytes: int = 2           # returned weight gradients (bf16)
+    grad_bytes: int = 4           # returned weight gradients: fp32, Megatron's gradient dtype under bf16
     dedup: bool = True            # a token crosses to a remote node once (policy key `dedup`)
 
     def __post_init__(self):

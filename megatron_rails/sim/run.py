@@ -242,7 +242,7 @@ ASSUMPTIONS = {
     "all_to_all": "megatron_rails.sim.rails on the EP group's slice of the topology; tokens hidden x 2 bytes; "
                   "dispatch + combine, forward and backward; rails sends an exchange direct when the direct "
                   "exchange's busiest rail is within the policy's rails_tolerance of even (the dispatcher's rule)",
-    "weights": "owner layout: each replica with tokens fetched whole from its owner, grads back (bf16); "
+    "weights": "owner layout: each replica with tokens fetched whole from its owner, grads back (fp32); "
                "fsep: shard all-gather of every slot with tokens, grad reduce-scatter back",
     "planner": "median measured planner.plan wall time on this CPU, per layer and microbatch",
     "microbatches": "one counts matrix per layer and step, shared by the step's microbatches",
