@@ -125,7 +125,8 @@ MALLOC_KEEP = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_"
 
 def expert_bytes(layer) -> tuple[int, int]:
     """(bytes of the experts module's parameters and gradients, distinct storages; bytes of the
-    resident slots' weights and their gradient accumulator, the same size) for one layer on a rank."""
+    resident slots' weights and their gradient accumulator, the same size: this benchmark trains in
+    fp32 without a main_grad, so the accumulator takes the weights' dtype) for one layer on a rank."""
     seen = {}
     for p in layer.experts.parameters():
         for t in (p, p.grad):
@@ -183,7 +184,8 @@ def _worker(rank, world, store, shape, micro, reps, warmup, out):
                      "of_ideal": float(np.median(ideal / t)),
                      "max_over_mean_before": float(np.mean([r["max_over_mean_before"] for r in recs])),
                      "max_over_mean_after": float(np.mean([r["max_over_mean_after"] for r in recs])),
-                     # fetched once, gradients returned once (same size)
+                     # fetched once, gradients returned once (the same size in fp32; under bf16 with
+                     # an fp32 main_grad the return is twice the fetch)
                      "weight_bytes_per_step": 2.0 * fetch,
                      "weight_bytes_per_step_if_per_microbatch": 2.0 * per_micro,
                      "expert_bytes_per_rank": experts + slots, "slot_bytes": slots})
