@@ -43,6 +43,8 @@ def test_quick_run_rows(tmp_path):
     assert set(rows) == {(s, p) for s in skews for p in policies}
     for r in rows.values():
         assert FIELDS <= set(r) and r["step_ms_p50"] > 0 and r["expert_bytes_per_rank"] > 0
+        for name in ("ratio_vs_none", "of_ideal"):  # one round: its quartiles are the median
+            assert r[f"{name}_q25"] == r[name] == r[f"{name}_q75"]
     for s in skews:
         assert rows[(s, "none")]["ratio_vs_none"] == 1.0 and rows[(s, "none")]["weight_bytes_per_step"] == 0
     assert rows[("balanced", "none")]["of_ideal"] == 1.0

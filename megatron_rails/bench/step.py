@@ -10,6 +10,7 @@ Every (routing, policy) pair runs one step per round, in an order rotating betwe
 spells of the machine hit all alike; ratios are taken within a round and their median reported:
     ratio_vs_none = this step / policy none's step (same routing, same round)
     of_ideal      = policy none's forced-balanced step / this step (same round)
+with their quartiles over the rounds beside them (`*_q25`, `*_q75`: how far one round strays).
 Per row also: max/mean tokens per rank after balancing, expert-weight bytes moved per step (fetch
 and gradient return) beside what per-microbatch movement would send, and expert bytes per rank
 (parameters + gradients of the experts and the resident slots, measured by storage).
@@ -149,6 +150,11 @@ def _measure_memory(layers, xs) -> tuple[int, int]:
     return int(got[0]), int(got[1])
 
 
+def _median_and_quartiles(name: str, per_round: np.ndarray) -> dict:
+    q25, q50, q75 = np.percentile(per_round, [25, 50, 75])
+    return {name: float(q50), f"{name}_q25": float(q25), f"{name}_q75": float(q75)}
+
+
 def _worker(rank, world, store, shape, micro, reps, warmup, out):
     os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[rank]})  # one core per rank
     torch.set_num_threads(1)
@@ -180,8 +186,8 @@ def _worker(rank, world, store, shape, micro, reps, warmup, out):
         experts, slots = _measure_memory(built[(skew, p)], xs)
         per_micro = sum(r["weight_bytes_if_fetched"] for r in recs) / steps
         rows.append({"policy": p, "skew": skew, "step_ms_p50": float(np.median(t) * 1e3),
-                     "ratio_vs_none": float(np.median(t / np.array(times[(skew, "none")]))),
-                     "of_ideal": float(np.median(ideal / t)),
+                     **_median_and_quartiles("ratio_vs_none", t / np.array(times[(skew, "none")])),
+                     **_median_and_quartiles("of_ideal", ideal / t),
                      "max_over_mean_before": float(np.mean([r["max_over_mean_before"] for r in recs])),
                      "max_over_mean_after": float(np.mean([r["max_over_mean_after"] for r in recs])),
                      # fetched once, gradients returned once (the same size in fp32; under bf16 with
@@ -263,15 +269,22 @@ def bench_step(out: str, ranks: int = 2, microbatches: int = 8, quick: bool = Fa
 
 def table(rows: list[dict]) -> str:
     """The rows as a markdown table (docs/benchmarks.md)."""
-    head = ("| routing | policy | step ms | vs none | of ideal | max/mean after | weight MB/step "
-            "(per-microbatch) | expert MB/rank |\n|---|---|---|---|---|---|---|---|")
+    head = ("| routing | policy | step ms | vs none (quartiles) | of ideal (quartiles) | max/mean after | "
+            "weight MB/step (per-microbatch) | expert MB/rank |\n|---|---|---|---|---|---|---|---|")
     lines = [head]
     for r in rows:
-        lines.append(f"| {r['skew']} | {r['policy']} | {r['step_ms_p50']:.0f} | {r['ratio_vs_none']:.2f} | "
-                     f"{r['of_ideal']:.2f} | {r['max_over_mean_after']:.2f} | {r['weight_bytes_per_step'] / 1e6:.1f} "
+        lines.append(f"| {r['skew']} | {r['policy']} | {r['step_ms_p50']:.0f} | {_spread(r, 'ratio_vs_none')} | "
+                     f"{_spread(r, 'of_ideal')} | {r['max_over_mean_after']:.2f} | {r['weight_bytes_per_step'] / 1e6:.1f} "
                      f"({r['weight_bytes_per_step_if_per_microbatch'] / 1e6:.1f}) | "
                      f"{r['expert_bytes_per_rank'] / 1e6:.1f} |")
     return "\n".join(lines)
+
+
+def _spread(r: dict, name: str) -> str:
+    """'median (q25–q75)', or the median alone for rows written before the quartiles were."""
+    if f"{name}_q25" not in r:
+        return f"{r[name]:.2f}"
+    return f"{r[name]:.3f} ({r[name + '_q25']:.3f}–{r[name + '_q75']:.3f})"
 
 
 def plot_step(res: dict, png: str) -> None:
