@@ -478,21 +478,24 @@ class ShardedExpertStore(ExpertStore):
         main_grad = getattr(shards, "main_grad", None)
         if main_grad is not None:
             main_grad.add_(grad)
-            return self.idle_grads()
+            return self.idle_grads() if in_graph else []
         if in_graph:
             return [grad.to(shards.dtype)]
         shards.grad = grad.to(shards.dtype) if shards.grad is None else shards.grad.add_(grad)
         return []
 
     def idle_grads(self) -> list:
-        """The shards' gradient from a backward that adds nothing now. Megatron DDP's gradient-ready
-        hook asserts a gradient exists under overlap_grad_reduce, so where a main_grad exists the
-        shards get zeros (stride 0, and marked as already in main_grad so DDP skips adding them)."""
+        """The shards' gradient from a backward pass (ReturnGate's) that hands autograd none: None.
+        Where a main_grad exists (Megatron DDP), DDP's gradient-ready hook, which runs after the
+        shards' AccumulateGrad, asserts under overlap_grad_reduce that a gradient is there: it finds
+        `.grad` set here to zeros of one element expanded to the shards' shape, marked as already in
+        main_grad (so DDP does not add it), and clears it. Handed to autograd instead, that zero
+        would be copied by AccumulateGrad into a full [E, ceil(W/D)] tensor every microbatch."""
         shards = self.shards
-        if getattr(shards, "main_grad", None) is None:
-            return [None]
-        shards.grad_added_to_main_grad = True
-        return [shards.new_zeros(()).expand(shards.shape)]
+        if getattr(shards, "main_grad", None) is not None:
+            shards.grad_added_to_main_grad = True
+            shards.grad = shards.new_zeros(()).expand(shards.shape)
+        return [None]
 
 
 class _ShardRows:
