@@ -77,6 +77,12 @@ def _worker(rank, world, policies):
                         f"recompute={recompute} rank {rank}"
                 models = {p: _build(world, p, u) for p in ("stock", policy)}
                 models[policy].layer.load_state_dict(models["stock"].layer.state_dict())
+                grad_bytes = []  # fsep: storage of the shards' .grad when DDP's gradient-ready hook sees it
+                if policy == "fsep":  # registered before DDP's hook on the same node, so it runs first
+                    shards = models[policy].layer.experts.rails_fsep_shards
+                    acc = shards.expand_as(shards).grad_fn.next_functions[0][0]
+                    acc.register_hook(lambda *_, s=shards: grad_bytes.append(
+                        None if s.grad is None else s.grad.untyped_storage().nbytes()))
                 trained = {}
                 for name, model in models.items():
                     trained[name] = megatron_ddp(model, overlap_grad_reduce=ogr, use_distributed_optimizer=dopt,
@@ -96,6 +102,13 @@ def _worker(rank, world, policies):
                     fetched = [r["slots_fetched"] for r in records]
                     assert len(records) == len(mbs) and fetched[0] and not any(fetched[1:]), \
                         f"{where} step {step}: slots fetched {fetched}"
+                    # main_grad holds the shards' gradient: the .grad DDP's hook sees costs no memory. (Under
+                    # reentrant recompute this check's own hook never sees the shards' AccumulateGrad run,
+                    # with the old idle gradient too, while DDP's does: checked without recompute)
+                    if policy == "fsep" and not recompute:
+                        took = max([b or 0 for b in grad_bytes], default=None)
+                        assert took is not None and took <= shards.element_size(), \
+                            f"{where} step {step}: the shards' .grad took {took} bytes (None: DDP's hook never ran)"
                     if not opg:  # parameters are current after the step (no all-gather pending)
                         ref = full_params(trained["stock"][0])
                         state = models[policy].layer.state_dict()  # stock layout (fsep writes shards back)
