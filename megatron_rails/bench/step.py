@@ -126,16 +126,18 @@ MALLOC_KEEP = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_"
 
 def expert_bytes(layer) -> tuple[int, int]:
     """(bytes of the experts module's parameters and gradients, distinct storages; bytes of the
-    resident slots' weights and their gradient accumulator, the same size: this benchmark trains in
-    fp32 without a main_grad, so the accumulator takes the weights' dtype) for one layer on a rank."""
+    resident slots' weights and their gradient accumulator, in the store's gradient dtype) for one
+    layer on a rank."""
     seen = {}
     for p in layer.experts.parameters():
         for t in (p, p.grad):
             if t is not None:
                 st = t.untyped_storage()
                 seen[st.data_ptr()] = st.nbytes()
-    w = layer.token_dispatcher.store.window
-    slots = 2 * w.weights_NW.numel() * w.weights_NW.element_size() if w is not None and w.moved else 0
+    store = layer.token_dispatcher.store
+    w = store.window
+    acc_size = torch.empty((), dtype=store.acc_dtype).element_size()
+    slots = w.weights_NW.numel() * (w.weights_NW.element_size() + acc_size) if w is not None and w.moved else 0
     return sum(seen.values()), slots
 
 
@@ -239,7 +241,8 @@ def bench_step(out: str, ranks: int = 2, microbatches: int = 8, quick: bool = Fa
           f"{len(SKEWS) * len(POLICIES)} cases x {reps + warmup} rounds", file=sys.stderr)
     tmp = out + ".rows"
     kept = {k: os.environ.get(k) for k in MALLOC_KEEP}
-    os.environ.update({k: os.environ.get(k) or v for k, v in MALLOC_KEEP.items()})  # read by the ranks' glibc
+    malloc = {k: kept[k] or v for k, v in MALLOC_KEEP.items()}
+    os.environ.update(malloc)  # read by the ranks' glibc
     try:
         with tempfile.TemporaryDirectory(prefix="rails-bench-") as rdzv:
             mp.start_processes(_worker, args=(ranks, f"{rdzv}/store", shape, microbatches, reps, warmup, tmp),
@@ -255,7 +258,7 @@ def bench_step(out: str, ranks: int = 2, microbatches: int = 8, quick: bool = Fa
     os.remove(tmp)
     res = {"meta": {"command": "megatron-rails bench step", "ranks": ranks, "microbatches": microbatches,
                     "shape": shape, "reps": reps, "warmup": warmup, "lr": LR,
-                    "malloc": {k: os.environ.get(k) or v for k, v in MALLOC_KEEP.items()},
+                    "malloc": malloc,
                     "note": "CPU gloo, one rank per core. ratio_vs_none and of_ideal are medians of ratios "
                             "taken within a round (see megatron_rails/bench/step.py)."},
            "rows": rows, "targets": targets(rows)}
@@ -281,9 +284,7 @@ def table(rows: list[dict]) -> str:
 
 
 def _spread(r: dict, name: str) -> str:
-    """'median (q25–q75)', or the median alone for rows written before the quartiles were."""
-    if f"{name}_q25" not in r:
-        return f"{r[name]:.2f}"
+    """'median (q25–q75)'."""
     return f"{r[name]:.3f} ({r[name + '_q25']:.3f}–{r[name + '_q75']:.3f})"
 
 

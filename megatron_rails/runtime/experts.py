@@ -187,10 +187,13 @@ class ExpertStore:
         experts run and pass link to slot_params (the gate's backward returns the slot gradients
         after both the stock experts' and the slots' backward, at the same point on every rank)."""
         w = self._serving(placement)
-        sources = self.sources()
-        if w is None or not torch.is_grad_enabled() or not any(t.requires_grad for t in sources):
+        if w is None or not self._slot_grads_on():
             return x_NH, probs_N, None
-        return residency.ReturnGate.apply(w, self, x_NH, probs_N, *sources)
+        return residency.ReturnGate.apply(w, self, x_NH, probs_N, *self.sources())
+
+    def _slot_grads_on(self) -> bool:
+        """Whether a forward now owes slot gradients: autograd records and the sources train."""
+        return torch.is_grad_enabled() and any(t.requires_grad for t in self.sources())
 
     def slot_params(self, placement: Placement, link: torch.Tensor | None = None
                     ) -> tuple[dict[int, dict[str, torch.Tensor]], torch.Tensor | None]:
@@ -201,7 +204,7 @@ class ExpertStore:
         w = self._serving(placement)
         if w is None:
             return {}, None
-        if link is None and torch.is_grad_enabled() and any(t.requires_grad for t in self.sources()):
+        if link is None and self._slot_grads_on():
             # without the gate the slots' gradients would be dropped, silently
             raise RuntimeError("slot_params: gradients are on and the slots' weights train: pass the link "
                                "return_gate made for this microbatch")
