@@ -30,9 +30,13 @@ class ExpertKind:
                 local expert i's tensors (differentiable), applied to a same-shaped buffer (a
                 gradient, a checkpoint tensor) they give expert i's part of it
     compute(params, x_NH, probs_N) -> y_NH   one expert's math on its N tokens, router probs applied
+    fused_wgrad  whether compute() adds a borrowed tensor's weight gradient into that tensor's
+                `main_grad` attribute where it has one and hands autograd none (Megatron's
+                gradient accumulation fusion): the stores then give every borrowed tensor one
     """
 
     name = "?"
+    fused_wgrad = False
     module: torch.nn.Module
     num_local: int
     slot_names: tuple[str, ...]

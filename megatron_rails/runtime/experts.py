@@ -214,8 +214,25 @@ class ExpertStore:
             anchor = None
             pieces = [t for row in w.weights() for t in torch.split(row[:self.flat_size], self.numels)]
         k = len(self.names)
-        return {int(s): {n: t.view(shape) for n, t, shape in zip(self.names, pieces[i * k:(i + 1) * k], self.shapes)}
-                for i, s in enumerate(w.slots_N)}, anchor
+        params = {int(s): {n: t.view(shape) for n, t, shape in zip(self.names, pieces[i * k:(i + 1) * k], self.shapes)}
+                  for i, s in enumerate(w.slots_N)}
+        if link is not None and self.kind.fused_wgrad:
+            self._lend_main_grads(w, params)
+        return params, anchor
+
+    def _lend_main_grads(self, window: Window, params: dict) -> None:
+        """Under gradient accumulation fusion the experts' linears add weight gradients into
+        `weight.main_grad` and give autograd none: every borrowed tensor gets its piece of the
+        window's accumulator as main_grad (zeroed when allocated, as rows are then added into from
+        the first microbatch on; ResidentSlots' backward adds the gradients autograd still gets)."""
+        if window.acc_NW is None:
+            window.open_acc(self.flat_size, self.acc_dtype, zeroed=True)
+        elif window.acc_fresh.any():  # opened by an unfused backward (not expected): zero its fresh rows
+            window.accumulated()
+        for i, s in enumerate(window.slots_N):
+            grads = torch.split(window.acc_NW[i, :self.flat_size], self.numels)
+            for (n, t), g in zip(params[int(s)].items(), grads):
+                t.main_grad = g.view(t.shape)
 
     def _acc(self, window: Window) -> torch.Tensor:
         """The window's accumulated slot gradients [N, W'] (zeros when no backward reached it)."""

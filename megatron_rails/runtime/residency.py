@@ -149,11 +149,16 @@ class Window:
             self.acc_NW = torch.cat([self.acc_NW, self.acc_NW.new_zeros((n, self.acc_NW.shape[1]))])
             self.acc_fresh = np.concatenate([self.acc_fresh, np.zeros(n, dtype=bool)])
 
-    def open_acc(self, W: int, dtype: torch.dtype) -> None:
-        """Allocate acc_NW for every row in `dtype` (empty; the padding past the W real columns zeroed)."""
-        self.acc_NW = self.weights_NW.new_empty((self.n_rows, self.weights_NW.shape[1]), dtype=dtype)
-        self.acc_NW[:, W:].zero_()
-        self.acc_fresh = np.ones(self.n_rows, dtype=bool)
+    def open_acc(self, W: int, dtype: torch.dtype, zeroed: bool = False) -> None:
+        """Allocate acc_NW for every row in `dtype`: empty (the padding past the W real columns
+        zeroed), or zeroed throughout where gradients are added into it from outside (main_grad)."""
+        shape = (self.n_rows, self.weights_NW.shape[1])
+        if zeroed:
+            self.acc_NW = self.weights_NW.new_zeros(shape, dtype=dtype)
+        else:
+            self.acc_NW = self.weights_NW.new_empty(shape, dtype=dtype)
+            self.acc_NW[:, W:].zero_()
+        self.acc_fresh = np.full(self.n_rows, not zeroed)
 
     def accumulated(self) -> Optional[torch.Tensor]:
         """acc_NW, rows no backward reached zeroed (None before the first backward)."""
