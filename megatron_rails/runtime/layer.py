@@ -295,25 +295,25 @@ class LayerRuntime:
         L = plan.placement.owner_slots
         self.recv_order, self.recv_inverse, per_slot = receive_order(plan, self.rank, x_Q.device)
         x_Q, probs_Q = rows(x_Q, self.recv_order, self.recv_inverse), rows(probs_Q, self.recv_order, self.recv_inverse)
-        n_owner = int(per_slot[:L].sum())
-        self.slot_rows = (x_Q[n_owner:], probs_Q[n_owner:], per_slot[L:])
-        x_own, probs_own, self.link = self.store.return_gate(plan.placement, x_Q[:n_owner], probs_Q[:n_owner])
+        # one split into the owners' rows and each slot's: its backward is one concatenation, where
+        # a slice per part would each write a zero-filled copy of all received rows, then be summed
+        sizes = [int(per_slot[:L].sum())] + per_slot[L:].tolist()
+        x_parts, probs_parts = torch.split(x_Q, sizes), torch.split(probs_Q, sizes)
+        self.slot_rows = (x_parts[1:], probs_parts[1:])
+        x_own, probs_own, self.link = self.store.return_gate(plan.placement, x_parts[0], probs_parts[0])
         return x_own, per_slot[:L], probs_own
 
     # -- 4-6. the slots, then back ------------------------------------------------------------------
     def _slot_outputs(self, H: int) -> list[torch.Tensor]:
         """The replica / FSEP slots' outputs for the rows split_received kept, in slot order, and the
         weight exchange's anchor (zero rows) that keeps its autograd node on every rank."""
-        x_N, probs_N, per_slot = self.slot_rows
+        x_parts, probs_parts = self.slot_rows
         self.slot_rows = None
         L = self.plan.placement.owner_slots
         weights, anchor = self.store.slot_params(self.plan.placement, self.link)  # waits for the fetch
         self.link = None
-        outs, start = [], 0
-        for s, n in enumerate(per_slot.tolist(), start=L):
-            if n:
-                outs.append(self.store.compute(weights[s], x_N[start:start + n], probs_N[start:start + n]))
-            start += n
+        outs = [self.store.compute(weights[s], x_n, probs_n)
+                for s, x_n, probs_n in zip(range(L, L + len(x_parts)), x_parts, probs_parts) if x_n.shape[0]]
         if anchor is not None:
             outs.append(anchor.view(0, H))
         return outs
