@@ -199,9 +199,9 @@ def test_bf16_slot_gradients_accumulate_in_the_frameworks_fp32():
     slots' gradients accumulate in fp32 over the step's microbatches, as the stock experts' do
     (main_grad += grad per microbatch), not in bf16 (which would round every partial sum)."""
     from megatron_rails.runtime import residency
-    from megatron_rails.runtime.residency import ResidentSlots, Window
+    from megatron_rails.runtime.residency import Window, resident_slots
 
-    class Store:  # what ResidentSlots reads of an expert store
+    class Store:  # what resident_slots reads of an expert store
         numels = [6]
         acc_dtype = torch.float32
 
@@ -211,7 +211,7 @@ def test_bf16_slot_gradients_accumulate_in_the_frameworks_fp32():
     grads = [torch.full((6,), v, dtype=torch.bfloat16) for v in (256.0, 1.0, 1.0, 1.0)]
     for g in grads:  # four microbatches
         link = torch.zeros(0, requires_grad=True)
-        _anchor, piece = ResidentSlots.apply(w, store, link)
+        _anchor, (piece,) = resident_slots(w, store, link)
         piece.backward(g)
     try:
         acc = w.accumulated()
@@ -220,3 +220,26 @@ def test_bf16_slot_gradients_accumulate_in_the_frameworks_fp32():
         assert torch.equal(acc[0], torch.full((6,), 259.0))
     finally:
         residency.settled(store)
+
+
+def test_lent_accumulator_stays_one_tensor_through_growth_and_returns():
+    """Under gradient accumulation fusion the accumulator's rows are lent out as main_grad, which the
+    experts' linears add into during a backward that may come after the window grew (a later
+    microbatch's forward) or after a return: those adds must land in what the next return sends."""
+    from megatron_rails.runtime.residency import Window
+
+    w = Window(placement=None, key=(0,), moved=True, weights_NW=torch.ones(1, 4))
+    w.slots_N = np.arange(1)
+    w.open_acc(4, torch.float32, lent_rows=3)
+    lent = w.acc_NW[0]  # a borrowed weight's main_grad
+    assert torch.equal(w.acc_NW, torch.zeros(1, 4)), "a lent accumulator starts at zero"
+    w.add_part(None, np.array([5, 6]), {})  # the window grows by two replicas
+    lent.add_(2.0)  # the earlier microbatch's backward, after the growth
+    assert w.acc_NW.shape == (3, 4) and torch.equal(w.acc_NW[0], torch.full((4,), 2.0)), \
+        "an add through a main_grad lent before the growth was lost"
+    assert torch.equal(w.acc_NW[1:], torch.zeros(2, 4))
+    w.pending = True
+    w.returned()
+    assert not w.pending and torch.equal(w.acc_NW, torch.zeros(3, 4))
+    lent.add_(1.0)  # a backward after the return: owed at the next one
+    assert torch.equal(w.accumulated()[0], torch.full((4,), 1.0))

@@ -47,7 +47,10 @@ def _build(world, policy, u):
     if policy == "stock":
         layer = build_moe_layer(cfg)
     else:
-        megatron_rails.install({"policy": policy, "slots": 2, "comm": "direct", "tolerance": 0.0})
+        # replica_cost_tokens 1: a step's window grows into free slots wherever that helps at all, so
+        # borrowed weights of earlier microbatches hold main_grad views across a growth
+        megatron_rails.install({"policy": policy, "slots": 2, "comm": "direct", "tolerance": 0.0,
+                                "replica_cost_tokens": 1})
         try:
             layer = build_moe_layer(cfg)
         finally:
@@ -89,6 +92,7 @@ def _worker(rank, world, policy, overlap_grad_reduce):
                                       lr=LR, bucket_size=1000 if overlap_grad_reduce else None)
                    for name, model in models.items()}
         disp = models[policy].layer.token_dispatcher
+        grown = 0
         for step in range(STEPS):
             mbs = _microbatches(rank, step, u, H)
             want = train_step(*trained["stock"], mbs, _loss)
@@ -97,12 +101,14 @@ def _worker(rank, world, policy, overlap_grad_reduce):
                                        msg=lambda m: f"{where} step {step}: losses\n{m}")
             # the slots computed something: otherwise the borrowed weights' main_grad went unused
             assert any(r["resident_slots"] for r in list(disp.metrics)[-MICRO:]), f"{where}: no slot computed"
+            grown += sum(r["slots_added"] for r in list(disp.metrics)[-MICRO:])
             ref = full_params(trained["stock"][0])
             state = models[policy].layer.state_dict()  # stock layout (fsep assembles it from the shards)
             for k, v in ref.items():
                 k = k[len("layer."):]
                 torch.testing.assert_close(state[k], v, rtol=1e-5, atol=1e-5,
                                            msg=lambda m: f"{where} step {step}: {k}\n{m}")
+        assert policy == "fsep" or grown, f"{where}: no window grew in {STEPS} steps"
 
 
 @pytest.mark.parametrize("policy", ["ultraep", "fsep"])

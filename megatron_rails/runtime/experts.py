@@ -26,7 +26,7 @@ from . import residency
 from .comm.base import Pending
 from .expert_kind import ExpertKind
 from .local import permutation_and_inverse
-from .residency import ResidentSlots, Window
+from .residency import Window, resident_slots
 
 
 def _slot_major(got: torch.Tensor, D: int, n: int) -> torch.Tensor:
@@ -198,7 +198,7 @@ class ExpertStore:
     def slot_params(self, placement: Placement, link: torch.Tensor | None = None
                     ) -> tuple[dict[int, dict[str, torch.Tensor]], torch.Tensor | None]:
         """The resident slots' parameters for one microbatch on `placement`: ({slot: {name: tensor}},
-        anchor). With return_gate's link they come through one ResidentSlots node and the anchor (an
+        anchor). With return_gate's link they come through residency.resident_slots and the anchor (an
         empty tensor) must join the layer output, so that every rank runs that node in backward; else
         anchor is None. A plan on a placement the window does not serve gets none."""
         w = self._serving(placement)
@@ -209,7 +209,7 @@ class ExpertStore:
             raise RuntimeError("slot_params: gradients are on and the slots' weights train: pass the link "
                                "return_gate made for this microbatch")
         if link is not None:
-            anchor, *pieces = ResidentSlots.apply(w, self, link)
+            anchor, pieces = resident_slots(w, self, link)
         else:
             anchor = None
             pieces = [t for row in w.weights() for t in torch.split(row[:self.flat_size], self.numels)]
@@ -224,11 +224,16 @@ class ExpertStore:
         """Under gradient accumulation fusion the experts' linears add weight gradients into
         `weight.main_grad` and give autograd none: every borrowed tensor gets its piece of the
         window's accumulator as main_grad (zeroed when allocated, as rows are then added into from
-        the first microbatch on; ResidentSlots' backward adds the gradients autograd still gets)."""
-        if window.acc_NW is None:
-            window.open_acc(self.flat_size, self.acc_dtype, zeroed=True)
-        elif window.acc_fresh.any():  # opened by an unfused backward (not expected): zero its fresh rows
-            window.accumulated()
+        the first microbatch on; SlotRow's backward adds the gradients autograd still gets)."""
+        if window.acc_lent is None:
+            # room for every slot this rank may hold in the step (the window may grow into free slots)
+            pl = window.placement
+            rows = pl.slot_expert_DS.shape[1] - pl.owner_slots  # (FSEP: no owner slots)
+            window.accumulated()  # rows an unfused backward left unwritten (not expected): zeros
+            old = window.acc_NW
+            window.open_acc(self.flat_size, self.acc_dtype, lent_rows=rows)
+            if old is not None:
+                window.acc_NW.copy_(old)
         for i, s in enumerate(window.slots_N):
             grads = torch.split(window.acc_NW[i, :self.flat_size], self.numels)
             for (n, t), g in zip(params[int(s)].items(), grads):
@@ -249,7 +254,7 @@ class ExpertStore:
             back.append(r["exchange"](acc[start:start + n], r["recv_D"], r["send_D"],
                                       np.ascontiguousarray(r["traffic_DD"].T)))
             start += n
-        window.acc_NW, window.pending = None, False
+        window.returned()
         residency.settled(self)
         return back
 
@@ -485,7 +490,7 @@ class ShardedExpertStore(ExpertStore):
             start += n
             grad = back.view(self.shards.shape) if r["idx"] is None else r["idx"].scatter(back)
             total = grad if total is None else total.add_(grad)
-        window.acc_NW, window.pending = None, False
+        window.returned()
         residency.settled(self)
         return total
 
