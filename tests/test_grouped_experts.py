@@ -232,21 +232,23 @@ def test_unsupported_expert_module_is_named():
     assert isinstance(err.value, UnsupportedExperts)
 
 
-def test_fp8_and_single_grouped_weight_are_refused():
+def test_fp8_delayed_wgrad_and_single_grouped_weight_are_refused():
     from megatron.core.transformer.moe import experts as mx
 
     from megatron_rails.megatron.expert_kinds import UnsupportedExperts, expert_kind
 
     class Seq(mx.SequentialMLP):
-        def __init__(self, fp8):
+        def __init__(self, fp8, delay_wgrad_compute=False):
             torch.nn.Module.__init__(self)
             self.num_local_experts = 1
             self.local_experts = torch.nn.ModuleList([torch.nn.Linear(2, 2)])
-            self.config = types.SimpleNamespace(fp8=fp8, fp4=None)
+            self.config = types.SimpleNamespace(fp8=fp8, fp4=None, delay_wgrad_compute=delay_wgrad_compute)
 
     assert expert_kind(Seq(None)).name == "sequential"
     with pytest.raises(UnsupportedExperts, match="Seq.*fp8/fp4"):
         expert_kind(Seq("hybrid"))
+    with pytest.raises(UnsupportedExperts, match="Seq.*delay_wgrad_compute"):
+        expert_kind(Seq(None, delay_wgrad_compute=True))
 
     class TE(mx.TEGroupedMLP):
         def __init__(self):

@@ -222,24 +222,32 @@ def test_bf16_slot_gradients_accumulate_in_the_frameworks_fp32():
         residency.settled(store)
 
 
-def test_lent_accumulator_stays_one_tensor_through_growth_and_returns():
+def test_lent_accumulator_keeps_late_adds_through_growth_and_returns():
     """Under gradient accumulation fusion the accumulator's rows are lent out as main_grad, which the
     experts' linears add into during a backward that may come after the window grew (a later
-    microbatch's forward) or after a return: those adds must land in what the next return sends."""
+    microbatch's forward, interleaved schedules) or after a return: those adds must reach the next
+    return, exactly once."""
     from megatron_rails.runtime.residency import Window
 
     w = Window(placement=None, key=(0,), moved=True, weights_NW=torch.ones(1, 4))
     w.slots_N = np.arange(1)
-    w.open_acc(4, torch.float32, lent_rows=3)
+    w.open_acc(4, torch.float32, lent=True)
     lent = w.acc_NW[0]  # a borrowed weight's main_grad
     assert torch.equal(w.acc_NW, torch.zeros(1, 4)), "a lent accumulator starts at zero"
-    w.add_part(None, np.array([5, 6]), {})  # the window grows by two replicas
-    lent.add_(2.0)  # the earlier microbatch's backward, after the growth
-    assert w.acc_NW.shape == (3, 4) and torch.equal(w.acc_NW[0], torch.full((4,), 2.0)), \
-        "an add through a main_grad lent before the growth was lost"
-    assert torch.equal(w.acc_NW[1:], torch.zeros(2, 4))
+    lent.add_(1.0)  # microbatch 1's backward
+    w.in_flight = 1  # microbatch 2's forward ran on `lent` too; its backward is still to come
+    w.add_part(None, np.array([5, 6]), {})  # microbatch 3's forward grows the window by two replicas
+    lent.add_(2.0)  # microbatch 2's backward, after the growth
+    w.acc_NW[2].add_(5.0)  # microbatch 3's backward, on a new row
+    acc = w.accumulated()
+    assert acc.shape == (3, 4)
+    assert torch.equal(acc, torch.tensor([[3.0] * 4, [0.0] * 4, [5.0] * 4])), acc
+    assert torch.equal(w.accumulated(), acc), "accumulated() twice added the late adds twice"
     w.pending = True
-    w.returned()
+    w.returned()  # microbatch 2 still in flight: zeroed in place, its main_grad still counts
     assert not w.pending and torch.equal(w.acc_NW, torch.zeros(3, 4))
-    lent.add_(1.0)  # a backward after the return: owed at the next one
-    assert torch.equal(w.accumulated()[0], torch.full((4,), 1.0))
+    lent.add_(4.0)  # a late backward after the return: owed at the next one
+    assert torch.equal(w.accumulated()[0], torch.full((4,), 4.0))
+    w.in_flight = 0
+    w.returned()  # nothing in flight: the accumulator is dropped
+    assert w.acc_NW is None and not w.acc_lent and not w.acc_stale

@@ -37,12 +37,13 @@ def _fused_linears():
     layers.fused_weight_gradient_mlp_cuda = _FusedWgrad
 
 
-def _build(world, policy, u):
+def _build(world, policy, u, bias):
     import megatron_rails
     from ddp_harness import chunk
 
     cfg = moe_config(world, "allgather" if policy == "stock" else "alltoall", experts=E)
     cfg.gradient_accumulation_fusion = True
+    cfg.add_bias_linear = bias  # biases' gradients still come through autograd, beside main_grad
     torch.manual_seed(7)
     if policy == "stock":
         layer = build_moe_layer(cfg)
@@ -77,16 +78,16 @@ def _loss(model, microbatch):
     return ((model(x) - y) ** 2).mean()
 
 
-def _worker(rank, world, policy, overlap_grad_reduce):
+def _worker(rank, world, policy, overlap_grad_reduce, bias):
     from ddp_harness import cpu_megatron, full_params, megatron_ddp, train_step
 
     _fused_linears()
     H = moe_config(world, "allgather").hidden_size
     u = torch.tensor(np.random.default_rng(3).standard_normal((E, H)), dtype=torch.float32)
     u /= u.norm(dim=1, keepdim=True)
-    where = f"{policy} overlap_grad_reduce={overlap_grad_reduce} rank {rank}"
+    where = f"{policy} overlap_grad_reduce={overlap_grad_reduce} bias={bias} rank {rank}"
     with cpu_megatron():
-        models = {p: _build(world, p, u) for p in ("stock", policy)}
+        models = {p: _build(world, p, u, bias) for p in ("stock", policy)}
         models[policy].layer.load_state_dict(models["stock"].layer.state_dict())
         trained = {name: megatron_ddp(model, overlap_grad_reduce=overlap_grad_reduce, use_distributed_optimizer=False,
                                       lr=LR, bucket_size=1000 if overlap_grad_reduce else None)
@@ -111,7 +112,8 @@ def _worker(rank, world, policy, overlap_grad_reduce):
         assert policy == "fsep" or grown, f"{where}: no window grew in {STEPS} steps"
 
 
-@pytest.mark.parametrize("policy", ["ultraep", "fsep"])
-@pytest.mark.parametrize("overlap_grad_reduce", [False, True])
-def test_slots_under_gradient_accumulation_fusion_match_stock(policy, overlap_grad_reduce):
-    spawn(_worker, 2, policy, overlap_grad_reduce)
+@pytest.mark.parametrize("policy,overlap_grad_reduce,bias", [
+    ("ultraep", False, False), ("ultraep", True, False), ("fsep", False, False), ("fsep", True, False),
+    ("ultraep", True, True)])
+def test_slots_under_gradient_accumulation_fusion_match_stock(policy, overlap_grad_reduce, bias):
+    spawn(_worker, 2, policy, overlap_grad_reduce, bias)

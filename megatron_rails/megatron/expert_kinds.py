@@ -66,6 +66,11 @@ class SequentialKind(ExpertKind):
 
     def __init__(self, module, config):
         super().__init__(module, config)
+        if getattr(config, "delay_wgrad_compute", False):
+            # the deferred weight gradients are computed later by each stock expert's own linears
+            # (SequentialMLP.backward_dw), from what they saved last: a slot's would go astray
+            raise _unsupported(module, "delay_wgrad_compute (slots compute on a stock expert's module "
+                                       "with borrowed weights; its deferred weight gradients would miss them)")
         self.local = module.local_experts
         self.slot_names = tuple(n for n, _ in self.local[0].named_parameters())
         # where each of the template expert's parameters is registered: (submodule, attribute name)

@@ -223,20 +223,18 @@ class ExpertStore:
     def _lend_main_grads(self, window: Window, params: dict) -> None:
         """Under gradient accumulation fusion the experts' linears add weight gradients into
         `weight.main_grad` and give autograd none: every borrowed tensor gets its piece of the
-        window's accumulator as main_grad (zeroed when allocated, as rows are then added into from
-        the first microbatch on; SlotRow's backward adds the gradients autograd still gets)."""
-        if window.acc_lent is None:
-            # room for every slot this rank may hold in the step (the window may grow into free slots)
-            pl = window.placement
-            rows = pl.slot_expert_DS.shape[1] - pl.owner_slots  # (FSEP: no owner slots)
-            window.accumulated()  # rows an unfused backward left unwritten (not expected): zeros
-            old = window.acc_NW
-            window.open_acc(self.flat_size, self.acc_dtype, lent_rows=rows)
+        window's accumulator as main_grad (Window.acc_lent; SlotRow's backward adds the gradients
+        autograd still gets, biases')."""
+        if not window.n_rows:
+            return
+        if not window.acc_lent:
+            old = window.accumulated()  # an unlent one (not expected): its unwritten rows zeroed
+            window.open_acc(self.flat_size, self.acc_dtype, lent=True)
             if old is not None:
                 window.acc_NW.copy_(old)
         for i, s in enumerate(window.slots_N):
             grads = torch.split(window.acc_NW[i, :self.flat_size], self.numels)
-            for (n, t), g in zip(params[int(s)].items(), grads):
+            for t, g in zip(params[int(s)].values(), grads):
                 t.main_grad = g.view(t.shape)
 
     def _acc(self, window: Window) -> torch.Tensor:
@@ -254,7 +252,6 @@ class ExpertStore:
             back.append(r["exchange"](acc[start:start + n], r["recv_D"], r["send_D"],
                                       np.ascontiguousarray(r["traffic_DD"].T)))
             start += n
-        window.returned()
         residency.settled(self)
         return back
 
@@ -280,6 +277,7 @@ class ExpertStore:
                     target = p.grad
                 t = view(target)
                 t.add_(piece.view(t.shape))
+        window.returned()  # after the received rows are read (they are the accumulator itself at D = 1)
         return [grads.get(n) for n, p in self.params.items() if p.requires_grad]
 
     def idle_grads(self) -> list:
@@ -490,7 +488,6 @@ class ShardedExpertStore(ExpertStore):
             start += n
             grad = back.view(self.shards.shape) if r["idx"] is None else r["idx"].scatter(back)
             total = grad if total is None else total.add_(grad)
-        window.returned()
         residency.settled(self)
         return total
 
@@ -501,13 +498,16 @@ class ShardedExpertStore(ExpertStore):
         grad = self._return_grads(window)
         shards = self.shards
         main_grad = getattr(shards, "main_grad", None)
+        out = []
         if main_grad is not None:
             main_grad.add_(grad)
-            return self.idle_grads() if in_graph else []
-        if in_graph:
-            return [grad.to(shards.dtype)]
-        shards.grad = grad.to(shards.dtype) if shards.grad is None else shards.grad.add_(grad)
-        return []
+            out = self.idle_grads() if in_graph else []
+        elif in_graph:
+            out = [grad.to(shards.dtype)]
+        else:
+            shards.grad = grad.to(shards.dtype) if shards.grad is None else shards.grad.add_(grad)
+        window.returned()  # after the received rows are read (they are the accumulator itself at D = 1)
+        return out
 
     def idle_grads(self) -> list:
         """The shards' gradient from a backward pass (ReturnGate's) that hands autograd none: None.

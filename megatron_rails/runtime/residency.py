@@ -19,9 +19,9 @@ step hook), when `new_step()` is called (for updates no optimizer makes), or whe
 parameter's version counter moves (an in-place update autograd can see).
 
 Every flush is a collective over the EP group. All ranks run the same forwards and backwards, so
-they agree on when one is due; each layer's two autograd nodes sit in every rank's graph (the empty
-anchor the runtime concatenates into the layer output keeps ResidentSlots there, and ReturnGate
-precedes it) so that every rank joins. A flush inside a backward pass runs in ReturnGate, which
+they agree on when one is due; each layer's ResidentSlots and ReturnGate nodes sit in every rank's
+graph (the empty anchor the runtime concatenates into the layer output keeps ResidentSlots there,
+and ReturnGate precedes it) so that every rank joins; SlotRow nodes exist where a slot computes. A flush inside a backward pass runs in ReturnGate, which
 autograd reaches only after the layer's stock experts' and slots' backward on every rank alike.
 
 Shape letters (docs/architecture.md): N this rank's resident slots, W parameters of one expert.
@@ -117,12 +117,15 @@ class Window:
     slots_N:   int64 [N] the slot index of each row, every part's (known before its weights arrive).
     routes:    per part, in row order: (what the store needs to return its gradients, its rows).
     fetches:   the parts' fetches not waited for yet (comm Pendings), in row order.
-    acc_NW:    the slots' accumulated weight gradients [N, W'] (allocated by the first backward;
-               read it through accumulated()). Lent: its rows were lent out as `main_grad` (gradient
-               accumulation fusion), which others add into, so it stays one tensor for the window's
-               life: zeroed when returned, room for every slot of this rank from the start.
+    acc_NW:    the slots' accumulated weight gradients [N, W'] (allocated by the first backward,
+               or, lent, by the first forward; read it through accumulated()).
     acc_fresh: bool [N]: rows of acc_NW no backward has written yet (allocated empty: a row's first
                gradients are copied in, not added into zeros; accumulated() zeroes the rest).
+    acc_lent:  whether acc_NW's rows are lent out as borrowed weights' `main_grad` (gradient
+               accumulation fusion), which the experts' linears add into during their backward; it
+               is then allocated zeroed, and one a backward still to come may add into (in_flight)
+               is never dropped: replaced when the window grows, it is kept in acc_stale, its later
+               adds summed into acc_NW by accumulated(); returned, it is zeroed in place.
     pending:   gradients accumulated and not yet returned (identical on every rank).
     in_flight: training forwards on these slots whose backward has not run yet.
     forwards:  training forwards on this window so far.
@@ -137,7 +140,8 @@ class Window:
     fetches: list = field(default_factory=list)
     acc_NW: Optional[torch.Tensor] = None
     acc_fresh: Optional[np.ndarray] = None
-    acc_lent: Optional[torch.Tensor] = None  # lent: the whole accumulator, acc_NW its first N rows
+    acc_lent: bool = False
+    acc_stale: list = field(default_factory=list)
     pending: bool = False
     in_flight: int = 0
     forwards: int = 0
@@ -149,38 +153,42 @@ class Window:
         self.routes.append((route, n))
         self.fetches.append(fetch)
         if self.acc_NW is not None and n:
-            if self.acc_lent is not None and self.acc_lent.shape[0] >= self.n_rows:
-                self.acc_NW = self.acc_lent[:self.n_rows]  # zeros past the old rows: they were never lent
-            else:
-                self.acc_NW = torch.cat([self.acc_NW, self.acc_NW.new_zeros((n, self.acc_NW.shape[1]))])
+            old = self.acc_NW
+            self.acc_NW = torch.cat([old, old.new_zeros((n, old.shape[1]))])
+            if self.acc_lent and self.in_flight:  # a backward to come adds into old: from zero, merged later
+                old.zero_()
+                self.acc_stale.append(old)
             self.acc_fresh = np.concatenate([self.acc_fresh, np.zeros(n, dtype=bool)])
 
-    def open_acc(self, W: int, dtype: torch.dtype, lent_rows: int = 0) -> None:
-        """Allocate acc_NW for every row in `dtype`, empty (the padding past the W real columns
-        zeroed); or, lent_rows > 0, zeroed with room for that many rows (its rows become `main_grad`
-        of borrowed weights: see acc_NW)."""
-        cols = self.weights_NW.shape[1]
-        if lent_rows:
-            if self.acc_lent is None:
-                self.acc_lent = self.weights_NW.new_zeros((max(lent_rows, self.n_rows), cols), dtype=dtype)
-            self.acc_NW = self.acc_lent[:self.n_rows]
+    def open_acc(self, W: int, dtype: torch.dtype, lent: bool = False) -> None:
+        """Allocate acc_NW for every row in `dtype`: empty (the padding past the W real columns
+        zeroed), or, lent, zeroed throughout (see acc_lent)."""
+        shape = (self.n_rows, self.weights_NW.shape[1])
+        if lent:
+            self.acc_NW = self.weights_NW.new_zeros(shape, dtype=dtype)
         else:
-            self.acc_NW = self.weights_NW.new_empty((self.n_rows, cols), dtype=dtype)
+            self.acc_NW = self.weights_NW.new_empty(shape, dtype=dtype)
             self.acc_NW[:, W:].zero_()
-        self.acc_fresh = np.full(self.n_rows, not lent_rows)
+        self.acc_fresh = np.full(self.n_rows, not lent)
+        self.acc_lent = lent
 
     def returned(self) -> None:
-        """The accumulated gradients went back to their owners: nothing is owed. A lent accumulator
-        is zeroed in place (borrowed weights of a microbatch whose backward is still to come keep
-        adding into it); another is dropped."""
-        if self.acc_lent is not None:
-            self.acc_lent.zero_()
+        """The accumulated gradients went back to their owners: nothing is owed. The accumulator is
+        dropped, or, lent with a backward still to come, zeroed in place (see acc_lent)."""
+        if self.acc_lent and self.in_flight:
+            self.acc_NW.zero_()
+            for t in self.acc_stale:
+                t.zero_()
         else:
-            self.acc_NW = None
+            self.acc_NW, self.acc_stale, self.acc_lent = None, [], False
         self.pending = False
 
     def accumulated(self) -> Optional[torch.Tensor]:
-        """acc_NW, rows no backward reached zeroed (None before the first backward)."""
+        """acc_NW, rows no backward reached zeroed and what was added into replaced lent
+        accumulators summed in (None before the first backward)."""
+        for t in self.acc_stale:
+            self.acc_NW[:t.shape[0]].add_(t)
+            t.zero_()
         if self.acc_NW is not None and self.acc_fresh.any():
             self.acc_NW[torch.from_numpy(np.flatnonzero(self.acc_fresh)).to(self.acc_NW.device)] = 0
             self.acc_fresh[:] = False
@@ -225,13 +233,13 @@ class Window:
 class ReturnGate(torch.autograd.Function):
     """Where a microbatch's slot gradients leave for their owners (shards): one autograd node on the
     rows the stock experts compute, so that its backward, which may run the return exchange, comes
-    after the stock experts' backward and after ResidentSlots' (whose `link` input it produces) on
+    after the stock experts' backward and after ResidentSlots' and SlotRow's (whose `link` input it produces) on
     every rank. Were the exchange in ResidentSlots' own backward, a rank with no slot rows would
     join it before its owner experts' backward and a rank with slot rows after: one waits for the
     other's whole expert backward, every layer (bench step measured ~35 ms a layer at zipf 2.0).
 
     forward(window, store, x_NH, probs_N, *sources) -> (x_NH, probs_N as views; empty `link`).
-    backward: when gradients are owed (ResidentSlots' backward put them in the window's
+    backward: when gradients are owed (SlotRow nodes put them in the window's
     accumulator) and due (`syncing()`, and the store does not defer every return to
     flush_pending()), the store returns them and this node hands autograd the sources' gradients;
     the sources are inputs so that their AccumulateGrad (where Megatron DDP's gradient-ready hook
@@ -251,7 +259,7 @@ class ReturnGate(torch.autograd.Function):
     def backward(ctx, grad_x, grad_probs, _link_grad):
         window, store = ctx.window, ctx.store
         # every rank runs this backward (the node exists on every rank whenever any rank holds a
-        # moved slot), after ResidentSlots': whether anything is owed is the same everywhere
+        # moved slot), after ResidentSlots' and SlotRow's: whether anything is owed is the same everywhere
         if window.pending and syncing() and not store.defer_flush:
             source_grads = store.flush(window, in_graph=True)
         else:
@@ -260,9 +268,9 @@ class ReturnGate(torch.autograd.Function):
 
 
 def resident_slots(window: Window, store, link: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """One microbatch's resident slot weights as autograd sees them: (anchor, every row's parameter
-    pieces in row order, views of window.weights_NW). link: ReturnGate's empty output for this
-    microbatch, an input of every node here, so the gate's backward runs after all of theirs.
+    """One microbatch's resident slot weights as autograd sees them: (anchor, pieces), pieces being
+    every row's parameter pieces in row order (views of window.weights_NW). link: ReturnGate's empty
+    output for this microbatch, an input of every node here, so the gate's backward runs after all.
 
     One `SlotRow` node per row: each row's gradients add into the accumulator as soon as that slot's
     backward has made them, while they are still in cache, and are freed then; one node for all rows
