@@ -164,3 +164,22 @@ def test_unbalanced_warning_advice_fits_the_policy():
     assert "last 4 steps" in eplb and "every 2 steps" in eplb and "raise slots" not in eplb
     for name in ("ultraep", "lp", "fsep"):
         assert "raise slots" in _unbalanced_advice(PolicyConfig(policy=name, slots=2))
+
+
+def _refusal_worker(rank, world):
+    import megatron_rails
+
+    cfg = moe_config(world, "alltoall")
+    cfg.overlap_moe_expert_parallel_comm = True  # set after validation, which wants CUDA and bf16 for it
+    megatron_rails.install({"policy": "ultraep"})
+    try:
+        with pytest.raises(NotImplementedError, match="overlap_moe_expert_parallel_comm"):
+            build_moe_layer(cfg)
+    finally:
+        megatron_rails.uninstall()
+
+
+def test_expert_parallel_comm_overlap_is_refused():
+    """Megatron's 1F1B all-to-all overlap splits the layer's autograd graph into pieces run around
+    another microbatch's: refused at build time with the flag's name, not left to fail inside."""
+    spawn(_refusal_worker, 1)

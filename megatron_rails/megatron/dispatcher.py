@@ -45,6 +45,12 @@ class RailsTokenDispatcher(MoETokenDispatcher):
         super().__init__(config=config, pg_collection=pg_collection)
         if self.tp_size > 1:
             raise NotImplementedError("megatron-rails supports expert tensor parallel size 1")
+        if getattr(config, "overlap_moe_expert_parallel_comm", False):
+            # that schedule runs dispatch, experts and combine as separate autograd pieces with
+            # another microbatch's in between; the slots' gradient return relies on one graph
+            raise NotImplementedError("megatron-rails does not support overlap_moe_expert_parallel_comm "
+                                      "(--overlap-moe-expert-parallel-comm); turn it off to use the rails "
+                                      "dispatcher")
         self.num_local_experts = num_local_experts
         self.local_expert_indices = list(local_expert_indices)
         self.num_experts = config.num_moe_experts
