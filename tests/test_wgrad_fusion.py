@@ -117,3 +117,66 @@ def _worker(rank, world, policy, overlap_grad_reduce, bias):
     ("ultraep", True, True)])
 def test_slots_under_gradient_accumulation_fusion_match_stock(policy, overlap_grad_reduce, bias):
     spawn(_worker, 2, policy, overlap_grad_reduce, bias)
+
+
+def _in_flight_worker(rank, world):
+    """Two microbatches in flight (as a pipeline schedule runs them), the second growing the
+    window, then their backward passes in reverse order, each returning the slot gradients."""
+    import megatron_rails
+
+    _fused_linears()
+    cfg = moe_config(world, "allgather", experts=E)
+    cfg.gradient_accumulation_fusion = True
+    torch.manual_seed(7)
+    stock = build_moe_layer(cfg)
+    megatron_rails.install({"policy": "ultraep", "slots": 2, "comm": "direct", "tolerance": 0.0,
+                            "replica_cost_tokens": 1})
+    try:
+        cfg_r = moe_config(world, "alltoall", experts=E)
+        cfg_r.gradient_accumulation_fusion = True
+        rails = build_moe_layer(cfg_r)
+    finally:
+        megatron_rails.uninstall()
+    rails.load_state_dict(stock.state_dict())
+    H = cfg.hidden_size
+    u = torch.tensor(np.random.default_rng(3).standard_normal((E, H)), dtype=torch.float32)
+    u /= u.norm(dim=1, keepdim=True)
+    for layer in (stock, rails):
+        with torch.no_grad():
+            layer.router.weight.add_(4.0 * u)
+        for p in layer.parameters():  # what Megatron DDP gives every parameter (here without DDP)
+            p.main_grad = torch.zeros_like(p)
+    g = torch.Generator().manual_seed(50 + rank)
+    # microbatch 0 leans on expert 1, microbatch 1 on expert 2 (both owned by rank 0, so both
+    # replicas land on rank 1): the second grows the window on the rank whose rows are lent
+    xs = [torch.randn(TOKENS, H, generator=g) * 0.5 + 1.5 * u[hot] for hot in (1, 2)]
+    w = torch.linspace(-1, 1, TOKENS * H).view(TOKENS, 1, H)
+    got = {}
+    for name, layer in (("stock", stock), ("rails", rails)):
+        inputs = [x.clone().view(TOKENS, 1, H).requires_grad_(True) for x in xs]
+        outs, rows = [], []
+        for x in inputs:
+            outs.append(layer(x)[0])
+            if name == "rails":  # this rank's resident slot rows after each forward
+                rows.append(layer.token_dispatcher.store.window.n_rows)
+        for out in reversed(outs):
+            (out * w).sum().backward()
+        got[name] = ([x.grad for x in inputs], layer.router.weight.grad,
+                     {n: p.main_grad for n, p in layer.named_parameters() if n.startswith("experts.")})
+    every = [None] * world
+    torch.distributed.all_gather_object(every, rows)
+    # the case under test: a rank whose rows were lent out by microbatch 0 gets more in microbatch 1
+    assert any(r0 >= 1 and r1 > r0 for r0, r1 in every), f"no rank with lent rows grew: rows per rank {every}"
+    (gx_s, gr_s, gw_s), (gx_r, gr_r, gw_r) = got["stock"], got["rails"]
+    for a, b in zip(gx_r, gx_s):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(gr_r, gr_s, rtol=1e-5, atol=1e-5)
+    for n, v in gw_s.items():
+        torch.testing.assert_close(gw_r[n], v, rtol=1e-5, atol=1e-5, msg=lambda m: f"rank {rank} {n}\n{m}")
+
+
+def test_microbatches_in_flight_across_growth_return_every_fused_gradient():
+    """The lent accumulator under a pipeline-like order: weights of microbatch 0 hold main_grad views
+    while microbatch 1's forward grows the window, and microbatch 1's backward returns the window's
+    gradients before microbatch 0's backward adds its own: every expert's main_grad equals stock's."""
+    spawn(_in_flight_worker, 2)
