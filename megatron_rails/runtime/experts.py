@@ -233,9 +233,9 @@ class ExpertStore:
             if old is not None:
                 window.acc_NW.copy_(old)
         for i, s in enumerate(window.slots_N):
-            grads = torch.split(window.acc_NW[i, :self.flat_size], self.numels)
-            for t, g in zip(params[int(s)].values(), grads):
-                t.main_grad = g.view(t.shape)
+            grads = self.unflatten(window.acc_NW[i, :self.flat_size])
+            for name, t in params[int(s)].items():
+                t.main_grad = grads[name]
 
     def _acc(self, window: Window) -> torch.Tensor:
         """The window's accumulated slot gradients [N, W'] (zeros when no backward reached it)."""

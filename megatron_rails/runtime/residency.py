@@ -21,8 +21,9 @@ parameter's version counter moves (an in-place update autograd can see).
 Every flush is a collective over the EP group. All ranks run the same forwards and backwards, so
 they agree on when one is due; each layer's ResidentSlots and ReturnGate nodes sit in every rank's
 graph (the empty anchor the runtime concatenates into the layer output keeps ResidentSlots there,
-and ReturnGate precedes it) so that every rank joins; SlotRow nodes exist where a slot computes. A flush inside a backward pass runs in ReturnGate, which
-autograd reaches only after the layer's stock experts' and slots' backward on every rank alike.
+and ReturnGate precedes it) so that every rank joins; SlotRow nodes exist where a slot computes.
+A flush inside a backward pass runs in ReturnGate, which autograd reaches only after the layer's
+stock experts' and slots' backward on every rank alike.
 
 Shape letters (docs/architecture.md): N this rank's resident slots, W parameters of one expert.
 """
@@ -233,17 +234,16 @@ class Window:
 class ReturnGate(torch.autograd.Function):
     """Where a microbatch's slot gradients leave for their owners (shards): one autograd node on the
     rows the stock experts compute, so that its backward, which may run the return exchange, comes
-    after the stock experts' backward and after ResidentSlots' and SlotRow's (whose `link` input it produces) on
-    every rank. Were the exchange in ResidentSlots' own backward, a rank with no slot rows would
+    after the stock experts' backward and after ResidentSlots' and SlotRow's (whose `link` input it
+    produces) on every rank. Were the exchange in ResidentSlots' own backward, a rank with no slot rows would
     join it before its owner experts' backward and a rank with slot rows after: one waits for the
     other's whole expert backward, every layer (bench step measured ~35 ms a layer at zipf 2.0).
 
     forward(window, store, x_NH, probs_N, *sources) -> (x_NH, probs_N as views; empty `link`).
-    backward: when gradients are owed (SlotRow nodes put them in the window's
-    accumulator) and due (`syncing()`, and the store does not defer every return to
-    flush_pending()), the store returns them and this node hands autograd the sources' gradients;
-    the sources are inputs so that their AccumulateGrad (where Megatron DDP's gradient-ready hook
-    sits) runs after this node."""
+    backward: when gradients are owed (SlotRow nodes put them in the window's accumulator) and
+    due (`syncing()`, and the store does not defer every return to flush_pending()), the store
+    returns them and this node hands autograd the sources' gradients; the sources are inputs so
+    that their AccumulateGrad (where Megatron DDP's gradient-ready hook sits) runs after this node."""
 
     @staticmethod
     def forward(ctx, window: Window, store, x_NH, probs_N, *sources):
@@ -259,7 +259,8 @@ class ReturnGate(torch.autograd.Function):
     def backward(ctx, grad_x, grad_probs, _link_grad):
         window, store = ctx.window, ctx.store
         # every rank runs this backward (the node exists on every rank whenever any rank holds a
-        # moved slot), after ResidentSlots' and SlotRow's: whether anything is owed is the same everywhere
+        # moved slot), after ResidentSlots' and SlotRow's: whether anything is owed is the same
+        # everywhere
         if window.pending and syncing() and not store.defer_flush:
             source_grads = store.flush(window, in_graph=True)
         else:
@@ -316,13 +317,14 @@ class SlotRow(torch.autograd.Function):
     def backward(ctx, *grads):
         window, store, i = ctx.window, ctx.store, ctx.row
         if any(g is not None for g in grads):
+            W = sum(store.numels)
             if window.acc_NW is None:  # every row of the window, those of parts still arriving too
                 # in the dtype the framework accumulates the sources' gradients in (Megatron DDP's
                 # fp32 main_grad under bf16 weights), as the stock experts' gradients accumulate
-                window.open_acc(sum(store.numels), store.acc_dtype)
+                window.open_acc(W, store.acc_dtype)
             fresh = window.acc_fresh[i]  # the row's first gradients: written, not added into zeros
             window.acc_fresh[i] = False
-            for g, piece in zip(grads, torch.split(window.acc_NW[i, :sum(store.numels)], store.numels)):
+            for g, piece in zip(grads, torch.split(window.acc_NW[i, :W], store.numels)):
                 if g is None:
                     if fresh:
                         piece.zero_()
