@@ -199,9 +199,9 @@ def test_bf16_slot_gradients_accumulate_in_the_frameworks_fp32():
     slots' gradients accumulate in fp32 over the step's microbatches, as the stock experts' do
     (main_grad += grad per microbatch), not in bf16 (which would round every partial sum)."""
     from megatron_rails.runtime import residency
-    from megatron_rails.runtime.residency import Window, resident_slots
+    from megatron_rails.runtime.residency import Window, resident_anchor, resident_row
 
-    class Store:  # what resident_slots reads of an expert store
+    class Store:  # what resident_row reads of an expert store
         numels = [6]
         acc_dtype = torch.float32
 
@@ -211,7 +211,8 @@ def test_bf16_slot_gradients_accumulate_in_the_frameworks_fp32():
     grads = [torch.full((6,), v, dtype=torch.bfloat16) for v in (256.0, 1.0, 1.0, 1.0)]
     for g in grads:  # four microbatches
         link = torch.zeros(0, requires_grad=True)
-        _anchor, (piece,) = resident_slots(w, store, link)
+        resident_anchor(w, store, link)
+        (piece,) = resident_row(w, store, 0, link)
         piece.backward(g)
     try:
         acc = w.accumulated()
@@ -251,3 +252,64 @@ def test_lent_accumulator_keeps_late_adds_through_growth_and_returns():
     w.in_flight = 0
     w.returned()  # nothing in flight: the accumulator is dropped
     assert w.acc_NW is None and not w.acc_lent and not w.acc_stale
+
+
+def test_each_slot_adds_its_weight_gradients_right_after_its_own_backward():
+    """A slot's weight gradients go into the accumulator as soon as that slot's backward has made
+    them, before the backward of the slots computed earlier: so one slot's gradients are alive at
+    a time, not every slot's until the layer's backward ends. Observed from inside the backward:
+    when a slot's input gradient is made, every slot computed after it has already added its
+    weight gradients. The accumulated rows equal the dense gradients."""
+    from megatron_rails.runtime import residency
+    from megatron_rails.runtime.expert_kind import ExpertKind
+    from megatron_rails.runtime.experts import ExpertStore
+    from megatron_rails.runtime.residency import Window
+
+    F, N = 3, 5
+
+    class Kind(ExpertKind):  # E experts of one [F, H] weight each: y = probs * x w^T
+        def __init__(self, num_local):
+            self.module = torch.nn.Module()
+            self.module.w = torch.nn.Parameter(torch.randn(num_local * F, H))
+            self.num_local, self.slot_names = num_local, ("w",)
+
+        def slices(self, i):
+            return [("w", lambda t, i=i: t[i * F:(i + 1) * F])]
+
+        def compute(self, params, x_NH, probs_N):
+            return (x_NH @ params["w"].t()) * probs_N[:, None]
+
+    torch.manual_seed(0)
+    store = ExpertStore(Kind(E), E, rank=0, num_ranks=1)
+    slots = [5, 6, 7]
+    placement = object()  # the window's own placement: it serves it
+    store.window = w = Window(placement=placement, key=store.key(), moved=True,
+                              weights_NW=torch.randn(len(slots), F * H))
+    w.slots_N = np.array(slots)
+    link = torch.zeros(0, requires_grad=True)
+    try:
+        params, anchor = store.slot_params(placement, link)
+        assert 6 in params and 9 not in params and len(params) == 3 and not params._made
+        seen, outs, want = {}, [], {}
+
+        def added_by_then(s):  # which slots' weight gradients are in the accumulator now
+            def hook(_grad):
+                seen[s] = set() if w.acc_NW is None else {slots[r] for r in np.flatnonzero(~w.acc_fresh)}
+            return hook
+
+        for s in slots:
+            x = torch.randn(N, H, requires_grad=True)
+            probs = torch.rand(N)
+            x.register_hook(added_by_then(s))
+            outs.append(store.compute(params[s], x, probs))
+            assert params[s]["w"] is params[s]["w"], "asked again, a slot's parameters were made anew"
+            g = torch.randn(N, F)
+            want[s] = (g * probs[:, None]).t() @ x.detach()
+            outs[-1] = (outs[-1] * g).sum()
+        (torch.stack(outs).sum() + anchor.sum()).backward()
+        assert seen == {7: set(), 6: {7}, 5: {6, 7}}, seen
+        acc = w.accumulated()
+        for r, s in enumerate(slots):
+            torch.testing.assert_close(acc[r].view(F, H), want[s], rtol=1e-6, atol=1e-6)
+    finally:
+        residency.settled(store)

@@ -10,13 +10,15 @@ expert i and how one expert computes; nothing here knows a module's parameter la
 
 Slot weights are resident for an optimizer step (runtime/residency.py): `open_window` fetches
 every slot of a placement once, as one flat vector per slot, `slot_params` hands one microbatch
-its slots' parameters through one autograd node, and `flush` returns the accumulated slot
-gradients to the owners (shards) by the reverse exchange, summed in a fixed order.
+its slots' parameters (each slot's through an autograd node of its own), and `flush` returns the
+accumulated slot gradients to the owners (shards) by the reverse exchange, summed in a fixed order.
 
 Shape letters (docs/architecture.md): W parameters of one expert (flat), N tokens of one slot, H hidden
 size, E experts, D EP ranks; a shard row holds ceil(W/D) of an expert's parameters.
 """
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 import numpy as np
 import torch
@@ -26,7 +28,7 @@ from . import residency
 from .comm.base import Pending
 from .expert_kind import ExpertKind
 from .local import permutation_and_inverse
-from .residency import Window, resident_slots
+from .residency import Window
 
 
 def _slot_major(got: torch.Tensor, D: int, n: int) -> torch.Tensor:
@@ -196,11 +198,13 @@ class ExpertStore:
         return torch.is_grad_enabled() and any(t.requires_grad for t in self.sources())
 
     def slot_params(self, placement: Placement, link: torch.Tensor | None = None
-                    ) -> tuple[dict[int, dict[str, torch.Tensor]], torch.Tensor | None]:
+                    ) -> tuple[Mapping[int, dict[str, torch.Tensor]], torch.Tensor | None]:
         """The resident slots' parameters for one microbatch on `placement`: ({slot: {name: tensor}},
-        anchor). With return_gate's link they come through residency.resident_slots and the anchor (an
-        empty tensor) must join the layer output, so that every rank runs that node in backward; else
-        anchor is None. A plan on a placement the window does not serve gets none."""
+        anchor). A slot's parameters are made when it first asks for them, just before it computes
+        (SlotParams). With return_gate's link each slot's come through its own SlotRow node
+        (residency.resident_row) and the anchor (an empty tensor) must join the layer output, so
+        that every rank runs that node in backward; else anchor is None. A plan on a placement the
+        window does not serve gets none. Waits for the window's fetches still running."""
         w = self._serving(placement)
         if w is None:
             return {}, None
@@ -208,34 +212,35 @@ class ExpertStore:
             # without the gate the slots' gradients would be dropped, silently
             raise RuntimeError("slot_params: gradients are on and the slots' weights train: pass the link "
                                "return_gate made for this microbatch")
-        if link is not None:
-            anchor, pieces = resident_slots(w, self, link)
-        else:
-            anchor = None
-            pieces = [t for row in w.weights() for t in torch.split(row[:self.flat_size], self.numels)]
-        k = len(self.names)
-        params = {int(s): {n: t.view(shape) for n, t, shape in zip(self.names, pieces[i * k:(i + 1) * k], self.shapes)}
-                  for i, s in enumerate(w.slots_N)}
-        if link is not None and self.kind.fused_wgrad:
-            self._lend_main_grads(w, params)
-        return params, anchor
+        anchor = residency.resident_anchor(w, self, link) if link is not None else None
+        w.weights()
+        return SlotParams(self, w, link), anchor
 
-    def _lend_main_grads(self, window: Window, params: dict) -> None:
+    def row_params(self, window: Window, row: int, link: torch.Tensor | None) -> dict[str, torch.Tensor]:
+        """One resident row's parameters by name, in the stock shapes: views of window.weights_NW,
+        through the row's SlotRow node when link is given."""
+        if link is not None:
+            pieces = residency.resident_row(window, self, row, link)
+        else:
+            pieces = torch.split(window.weights()[row, :self.flat_size], self.numels)
+        params = {n: t.view(shape) for n, t, shape in zip(self.names, pieces, self.shapes)}
+        if link is not None and self.kind.fused_wgrad:
+            self._lend_main_grads(window, row, params)
+        return params
+
+    def _lend_main_grads(self, window: Window, row: int, params: dict) -> None:
         """Under gradient accumulation fusion the experts' linears add weight gradients into
-        `weight.main_grad` and give autograd none: every borrowed tensor gets its piece of the
-        window's accumulator as main_grad (Window.acc_lent; SlotRow's backward adds the gradients
-        autograd still gets, biases')."""
-        if not window.n_rows:
-            return
+        `weight.main_grad` and give autograd none: every borrowed tensor of the row gets its piece of
+        the window's accumulator as main_grad (Window.acc_lent; SlotRow's backward adds the
+        gradients autograd still gets, biases')."""
         if not window.acc_lent:
             old = window.accumulated()  # an unlent one (not expected): its unwritten rows zeroed
             window.open_acc(self.flat_size, self.acc_dtype, lent=True)
             if old is not None:
                 window.acc_NW.copy_(old)
-        for i, s in enumerate(window.slots_N):
-            grads = self.unflatten(window.acc_NW[i, :self.flat_size])
-            for name, t in params[int(s)].items():
-                t.main_grad = grads[name]
+        grads = self.unflatten(window.acc_NW[row, :self.flat_size])
+        for name, t in params.items():
+            t.main_grad = grads[name]
 
     def _acc(self, window: Window) -> torch.Tensor:
         """The window's accumulated slot gradients [N, W'] (zeros when no backward reached it)."""
@@ -521,6 +526,32 @@ class ShardedExpertStore(ExpertStore):
             shards.grad_added_to_main_grad = True
             shards.grad = shards.new_zeros(()).expand(shards.shape)
         return [None]
+
+
+class SlotParams(Mapping):
+    """{slot: {name: tensor}}: one microbatch's resident slot parameters (ExpertStore.slot_params).
+    A slot's are made when first asked for, so that its SlotRow node sits right before its compute
+    (see residency.resident_row); asked again, the same tensors come back."""
+
+    def __init__(self, store: ExpertStore, window: Window, link: torch.Tensor | None):
+        self._store, self._window, self._link = store, window, link
+        self._row = window.row_of_slot()
+        self._made: dict[int, dict[str, torch.Tensor]] = {}
+
+    def __getitem__(self, slot: int) -> dict[str, torch.Tensor]:
+        got = self._made.get(slot)
+        if got is None:
+            got = self._made[slot] = self._store.row_params(self._window, self._row[slot], self._link)
+        return got
+
+    def __contains__(self, slot) -> bool:  # without making the slot's parameters
+        return slot in self._row
+
+    def __iter__(self):
+        return iter(self._row)
+
+    def __len__(self) -> int:
+        return len(self._row)
 
 
 class _ShardRows:
