@@ -12,9 +12,11 @@ ours, trained side by side for --steps optimizer steps (SGD with momentum) of --
 all but the last under `no_sync()` (weights fetched once per step, in the background from the plan
 until first computed, gradients returned once). Compared, fp32 without TF32, max |ours - stock| <=
 1e-5 max(1, max |stock|) per tensor: every microbatch's output and input gradient, every parameter
-gradient (stock layout) before each optimizer step, every parameter after it. The exchanges must have happened: weights
-moved (every balancing policy), sprayed token exchanges (`rails`), node dedup (2 nodes). Rank 0
-prints one line per case; exit status 1 on any mismatch.
+gradient (stock layout) before each optimizer step, every parameter after it. The exchanges must
+have happened: weights moved (every balancing policy), sprayed token exchanges (`rails`), node dedup
+(2 nodes); and slot gradients must have gone back at most once per step (on CUDA the backward runs on
+autograd's device thread, where no_sync() must still hold). Rank 0 prints one line per case; exit
+status 1 on any mismatch.
 
     python scripts/gpu_check.py                       # 4 ranks on cuda:0, every policy, both comms
     python scripts/gpu_check.py --device cpu --ranks 4 --hidden 16 --tokens 64
@@ -207,7 +209,8 @@ def _case(rank, world, policy, comm, a, dev) -> dict:
         if not math.isfinite(scale) or scale > 100:
             diff.ratio, diff.where = math.inf, f"{name} weights ran away (max |w| {scale:.1e})"
     m = rails.token_dispatcher.metrics
-    return {"ratio": diff.ratio, "abs": diff.abs, "where": diff.where, "s": time.perf_counter() - t0,
+    store = rails.token_dispatcher.store
+    return {"returns": store.returns if store is not None else 0, "steps": a.steps, "ratio": diff.ratio, "abs": diff.abs, "where": diff.where, "s": time.perf_counter() - t0,
             "weight_bytes": sum(r["weight_bytes_sent"] for r in m), "sprayed": sum(bool(r["rails_sprayed"]) for r in m),
             "records": len(m), "fetches": sum(bool(r["slots_fetched"]) for r in m), "dedup": sum(bool(r["dedup"]) for r in m),
             "pairs_bytes": sum(r["internode_token_bytes_pairs"] for r in m),
@@ -225,10 +228,13 @@ def _verdict(policy, comm, world, per_rank: list[dict]) -> tuple[bool, str]:
         ok, why = False, why + ["RailS never sprayed"]
     if world > 2 and total["dedup"] != total["records"]:
         ok, why = False, why + [f"dedup ran in {total['dedup']} of {total['records']} layer calls"]
+    returns, steps = max(r["returns"] for r in per_rank), per_rank[0]["steps"]
+    if returns > steps:  # a backward inside no_sync() returned them (CUDA runs backward on another thread)
+        ok, why = False, why + [f"gradients returned {returns} times in {steps} steps"]
     head = (f"{policy:8s} {comm:6s} {'ok ' if ok else 'BAD'} worst |diff| {worst['abs']:.1e} = "
             f"{worst['ratio']:.2f} of tol, {max(r['s'] for r in per_rank):.1f} s on {worst['device']}")
     body = (f"at {worst['where']}; weights {total['weight_bytes'] / 2**20:.1f} MiB in {total['fetches'] // world} "
-            f"fetches, sprayed {total['sprayed']}/{total['records']}, dedup {total['pairs_bytes'] / 2**20:.2f} -> "
+            f"fetches, gradients back {returns} times, sprayed {total['sprayed']}/{total['records']}, dedup {total['pairs_bytes'] / 2**20:.2f} -> "
             f"{total['units_bytes'] / 2**20:.2f} MiB" + ("; " + ", ".join(why) if why else ""))
     # 80 columns: the verdict, then what was compared and moved, indented
     return ok, "\n".join([head] + textwrap.wrap(body, 80, initial_indent="    ", subsequent_indent="    "))

@@ -41,6 +41,8 @@ def test_every_policy_and_comm_matches_stock_on_four_ranks():
     for (policy, comm), (_, text) in cases.items():
         if policy != "none":
             assert "weights 0.0 MiB" not in text, text  # a balancing policy moved weights
+            # ... and its slots' gradients went back once per optimizer step (3), not per microbatch
+            assert "gradients back 3 times" in text, text
         if comm == "rails":
             assert "sprayed 0/" not in text, text
     assert "every case (10) matches stock" in proc.stdout

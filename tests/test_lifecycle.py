@@ -313,3 +313,50 @@ def test_each_slot_adds_its_weight_gradients_right_after_its_own_backward():
             torch.testing.assert_close(acc[r].view(F, H), want[s], rtol=1e-6, atol=1e-6)
     finally:
         residency.settled(store)
+
+
+def test_no_sync_holds_for_a_backward_run_on_another_thread():
+    """On CUDA, autograd runs backward nodes on a worker thread of its own per device, not on the
+    thread that entered no_sync() and called backward(): the gate that decides whether the slots'
+    gradients return must see no_sync() there too (here the backward is run on another thread)."""
+    import threading
+
+    from megatron_rails.runtime import residency
+    from megatron_rails.runtime.residency import ReturnGate, Window, no_sync, resident_anchor
+
+    class Store:  # what ReturnGate and ResidentSlots use of an expert store
+        defer_flush = False
+
+        def __init__(self):
+            self.flushes = 0
+
+        def flush(self, window, in_graph):
+            self.flushes += 1
+            window.returned()
+            residency.settled(self)
+            return [None]
+
+        def idle_grads(self):
+            return [None]
+
+    def microbatch(store, w):
+        x = torch.randn(3, 2, requires_grad=True)
+        x_out, _probs, link = ReturnGate.apply(w, store, x, torch.rand(3), torch.zeros(1, requires_grad=True))
+        return x_out.sum() + resident_anchor(w, store, link).sum()
+
+    def backward_on_another_thread(loss):
+        t = threading.Thread(target=loss.backward)
+        t.start()
+        t.join()
+
+    store = Store()
+    w = Window(placement=None, key=(0,), moved=True, weights_NW=torch.ones(1, 4))
+    w.slots_N = np.arange(1)
+    try:
+        with no_sync():
+            backward_on_another_thread(microbatch(store, w))
+        assert store.flushes == 0 and w.pending, "a backward inside no_sync() returned the gradients"
+        backward_on_another_thread(microbatch(store, w))
+        assert store.flushes == 1 and not w.pending
+    finally:
+        residency.settled(store)

@@ -67,6 +67,7 @@ class ExpertStore:
         self.shapes = [t.shape for t in first]
         self.numels = [t.numel() for t in first]
         self.window: Window | None = None  # the resident slots (runtime/residency.py)
+        self.returns = 0  # gradient returns (reverse exchanges) run so far: at most one per step
         self.defer_flush = False  # the framework calls residency.flush_pending() before reading gradients
         residency.register(self)
 
@@ -257,6 +258,7 @@ class ExpertStore:
             back.append(r["exchange"](acc[start:start + n], r["recv_D"], r["send_D"],
                                       np.ascontiguousarray(r["traffic_DD"].T)))
             start += n
+        self.returns += 1
         residency.settled(self)
         return back
 
@@ -493,6 +495,7 @@ class ShardedExpertStore(ExpertStore):
             start += n
             grad = back.view(self.shards.shape) if r["idx"] is None else r["idx"].scatter(back)
             total = grad if total is None else total.add_(grad)
+        self.returns += 1
         residency.settled(self)
         return total
 

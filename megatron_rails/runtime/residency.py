@@ -41,7 +41,11 @@ import torch.optim.optimizer as torch_optimizer
 
 from ..core.plan import Placement
 
-_gate = threading.local()
+# how many no_sync() contexts are open: one count for the process, not per thread, because it is
+# read inside backward passes, whose nodes autograd runs on its own worker thread per CUDA device
+# (a per-thread count set by the thread that calls backward() reads as 0 there)
+_no_sync_depth = 0
+_depth_lock = threading.Lock()
 _epoch = 0
 # the stores whose window owes gradients, in the order they came to owe them (the backward order:
 # identical on every rank). Strong references: a store dropped while it owes must still join the
@@ -53,17 +57,22 @@ _hooks = None
 
 @contextlib.contextmanager
 def no_sync():
-    """Slot weight gradients accumulate locally inside; the first backward outside returns them."""
-    _gate.depth = getattr(_gate, "depth", 0) + 1
+    """Slot weight gradients accumulate locally inside; the first backward outside returns them.
+    For the whole process (as Megatron DDP's no_sync is for its module): a backward pass run inside,
+    from any thread, keeps them."""
+    global _no_sync_depth
+    with _depth_lock:
+        _no_sync_depth += 1
     try:
         yield
     finally:
-        _gate.depth -= 1
+        with _depth_lock:
+            _no_sync_depth -= 1
 
 
 def syncing() -> bool:
     """Whether a backward pass running now returns the slots' gradients to their owners."""
-    return getattr(_gate, "depth", 0) == 0
+    return _no_sync_depth == 0
 
 
 def new_step() -> None:
