@@ -1,7 +1,9 @@
 """RailsTokenDispatcher parity across Megatron-Core MoE settings other than the SwiGLU top-2 layer
 of tests/test_dispatcher.py: biases, a non-gated activation, top-1 (probs on the output or on the
-input), top-k = E, a sigmoid router with expert bias, and router-side token drops (capacity). The
-reference is the stock allgather dispatcher with identical weights; every policy, fp32, 1e-5."""
+input), top-k = E, a sigmoid router with expert bias, router-side token drops (capacity), shared
+experts, and shared experts overlapped with the dispatcher (--moe-shared-expert-overlap, which hands
+them to the dispatcher to run). The reference is the stock allgather dispatcher with identical
+weights; every policy, fp32, 1e-5."""
 import numpy as np
 import torch
 
@@ -18,6 +20,7 @@ VARIANTS = {
     "sigmoid-expert-bias": dict(num_moe_experts=16, moe_router_score_function="sigmoid",
                                 moe_router_enable_expert_bias=True),
     "capacity-drops": dict(moe_expert_capacity_factor=1.0, moe_token_drop_policy="probs"),
+    "shared-experts": dict(moe_shared_expert_intermediate_size=24),
 }
 
 
@@ -42,15 +45,15 @@ def _grads(layer):
     return grads
 
 
-def _worker(rank, world, routings):
+def _worker(rank, world, routings, variants=VARIANTS, rails_overrides=None):
     import megatron_rails
 
-    for name, overrides in VARIANTS.items():
+    for name, overrides in variants.items():
         torch.manual_seed(1234)
         stock = build_moe_layer(_config(world, "allgather", overrides))
         for policy in POLICIES:
             megatron_rails.install({"policy": policy, "slots": 2, "ranks_per_node": 2, "check_plan": True})
-            rails = build_moe_layer(_config(world, "alltoall", overrides))
+            rails = build_moe_layer(_config(world, "alltoall", {**overrides, **(rails_overrides or {})}))
             megatron_rails.uninstall()
             rails.load_state_dict(stock.state_dict())
             rng = np.random.default_rng(5 + rank)
@@ -76,6 +79,33 @@ def _worker(rank, world, routings):
 
 def test_parity_across_moe_settings():
     spawn(_worker, 4, 2)  # per setting and policy: one near-uniform routing, one skewed
+
+
+class _OneStream:
+    """What SharedExpertMLP asks of torch.cuda's streams, on the host: there is one stream, so
+    ordering one behind another is nothing to do."""
+
+    def wait_stream(self, _other):
+        pass
+
+
+def _overlap_worker(rank, world):
+    import contextlib
+
+    # --moe-shared-expert-overlap runs the shared experts on a CUDA stream of their own, made and
+    # entered through torch.cuda: on the host every stream is the one stream
+    torch.cuda.Stream = _OneStream
+    torch.cuda.current_stream = lambda *args, **kwargs: _OneStream()
+    torch.cuda.stream = lambda _stream: contextlib.nullcontext()
+    shared = {"shared-experts-overlapped": dict(moe_shared_expert_intermediate_size=24)}
+    _worker(rank, world, 2, shared, dict(moe_shared_expert_overlap=True))
+
+
+def test_shared_experts_overlapped_with_the_dispatcher_match_stock():
+    """With --moe-shared-expert-overlap, MoELayer does not compute the shared experts: it hands them
+    to the dispatcher, which must run them at its steps and add their output (the reference runs
+    them in MoELayer, without the overlap, which only the alltoall dispatcher takes)."""
+    spawn(_overlap_worker, 4)
 
 
 def _alone_worker(rank, world):

@@ -89,6 +89,8 @@ class RailsTokenDispatcher(MoETokenDispatcher):
     def dispatch_preprocess(self, hidden_states: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor):
         """hidden_states [sequence, batch, H]; routing_map bool [T, E]; probs float [T, E] -> pairs in send order."""
         self.hidden_shape = hidden_states.shape
+        if self.shared_experts is not None:  # --moe-shared-expert-overlap: they start on their stream
+            self.shared_experts.pre_forward_comm(hidden_states.view(self.hidden_shape))
         x_TH = hidden_states.reshape(-1, self.hidden_shape[-1])
         layer = self._layer() if self._layer else None
         # a training forward pins the step's resident slots (reentrant recompute runs it without grad)
@@ -99,7 +101,11 @@ class RailsTokenDispatcher(MoETokenDispatcher):
         return x_PH, probs_P
 
     def token_dispatch(self, hidden_states: torch.Tensor, probs: torch.Tensor):
-        return self.runtime.exchange_tokens(hidden_states, probs)
+        self._shared_experts_wait()
+        x_Q, probs_Q = self.runtime.exchange_tokens(hidden_states, probs)
+        if self.shared_experts is not None:
+            self.shared_experts.linear_fc1_forward_and_act(x_Q)
+        return x_Q, probs_Q
 
     def dispatch_postprocess(self, hidden_states: torch.Tensor, probs: torch.Tensor):
         x_owner, per_owner_slot, probs_owner = self.runtime.split_received(hidden_states, probs)
@@ -112,11 +118,26 @@ class RailsTokenDispatcher(MoETokenDispatcher):
         return self.runtime.merge(hidden_states)
 
     def token_combine(self, hidden_states: torch.Tensor):
-        return self.runtime.return_tokens(hidden_states)
+        self._shared_experts_wait()
+        y_P = self.runtime.return_tokens(hidden_states)
+        if self.shared_experts is not None:
+            self.shared_experts.linear_fc2_forward(y_P)
+            self.shared_experts.post_forward_comm()
+        return y_P
 
     def combine_postprocess(self, hidden_states: torch.Tensor):
         T = int(np.prod(self.hidden_shape[:-1]))
-        return self.runtime.combine(hidden_states, T).view(self.hidden_shape)
+        out = self.runtime.combine(hidden_states, T).view(self.hidden_shape)
+        if self.shared_experts is not None:  # joins the current stream
+            out = out + self.shared_experts.get_output()
+        return out
+
+    def _shared_experts_wait(self) -> None:
+        """Where Megatron-Core's alltoall dispatcher orders the shared experts' stream behind the
+        current one before an all-to-all (0.19; 0.16 has no such call): the same here."""
+        wait = getattr(self.shared_experts, "wait_current_stream", None)
+        if wait is not None:
+            wait()
 
 
 def _skip_empty_stock_experts(experts: torch.nn.Module) -> None:
