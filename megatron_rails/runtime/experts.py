@@ -315,12 +315,18 @@ class ShardedExpertStore(ExpertStore):
 
     PARAM = "rails_fsep_shards"
 
-    def __init__(self, kind: ExpertKind, num_experts: int, rank: int, num_ranks: int, exchange, before_read=None):
+    def __init__(self, kind: ExpertKind, num_experts: int, rank: int, num_ranks: int, exchange, before_read=None,
+                 stage: torch.device | None = None):
         super().__init__(kind, num_experts, rank, num_ranks, before_read)
         experts = self.experts
         self.exchange = exchange
+        # where the exchange's collectives take tensors: CUDA under NCCL (see _whole_experts)
+        self.stage = stage if stage is not None else torch.device("cpu")
         self.shard = -(-self.flat_size // num_ranks)
         ref = next(iter(self.params.values()))
+        if ref.device.type == "meta":
+            raise kind.unsupported("fsep shards the expert weights when the layer is built, and these are on the "
+                                   "meta device (--init-model-with-meta-device): build them on a real device")
         shards = torch.nn.Parameter(ref.new_zeros((num_experts, self.shard)))
         # each EP rank holds different shards: like Megatron's expert weights, reduce them over the
         # expert-data-parallel group only (Megatron DDP reads `allreduce`)
@@ -390,7 +396,7 @@ class ShardedExpertStore(ExpertStore):
         buf = torch.stack(flats, 1).reshape(D * len(owned), self.shard) if owned else \
             self.shards.new_zeros((0, self.shard))
         n_D = np.bincount(self.owner_E, minlength=D)
-        got = self.exchange(buf, [len(owned)] * D, n_D.tolist())  # from each owner, its experts in order
+        got = self._whole_experts(buf, [len(owned)] * D, n_D.tolist())  # from each owner, its experts in order
         self.shards.copy_(got)
 
     @torch.no_grad()
@@ -401,9 +407,17 @@ class ShardedExpertStore(ExpertStore):
         D = self.num_ranks
         n_D = np.bincount(self.owner_E, minlength=D)
         owned = self._owned()
-        got = self.exchange(src.detach(), n_D.tolist(), [len(owned)] * D)  # [D * owned, shard], by rank
+        got = self._whole_experts(src.detach(), n_D.tolist(), [len(owned)] * D)  # [D * owned, shard], by rank
         full = _slot_major(got, D, len(owned))
         return [full[i, :self.flat_size] for i in range(len(owned))]
+
+    def _whole_experts(self, buf: torch.Tensor, send_D: list, recv_D: list) -> torch.Tensor:
+        """The exchange that shards or reassembles whole experts (layer build, checkpoints), on the
+        device its collectives take: Megatron's --use-cpu-initialization builds the weights on the
+        host and moves the model to the GPU only later, and NCCL takes no host tensors."""
+        if self.stage.type == "cpu" or buf.device.type == self.stage.type:
+            return self.exchange(buf, send_D, recv_D)
+        return self.exchange(buf.to(self.stage), send_D, recv_D).to(buf.device)
 
     @torch.no_grad()
     def _scatter(self, flats: list[torch.Tensor], source=None) -> None:

@@ -153,7 +153,7 @@ class LayerRuntime:
         before_read(module) runs before every read of their weights (see ExpertStore)."""
         if self.policy.sharded:
             self.store = ShardedExpertStore(kind, self.num_experts, self.rank, self.num_ranks, self.comm.exchange,
-                                            before_read)
+                                            before_read, stage=collective_device(self.group))
         else:
             self.store = ExpertStore(kind, self.num_experts, self.rank, self.num_ranks, before_read)
 
