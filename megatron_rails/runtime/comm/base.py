@@ -18,8 +18,7 @@ def all_gather_counts(counts_E: torch.Tensor, group) -> np.ndarray:
     try:  # gloo has no all_gather_into_tensor
         dist.all_gather(list(out.unbind(0)), counts_E.to(torch.int64).contiguous(), group=group)
     except RuntimeError as err:
-        raise CommError(f"rank {dist.get_rank()}: all-gather of token counts failed: a peer rank probably died "
-                        f"or timed out ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})") from err
+        raise describe_failure(group, "all-gather of token counts", err) from err
     return out.cpu().numpy()
 
 
@@ -50,12 +49,21 @@ def _short(ranks) -> str:
     return str(ranks) if len(ranks) <= 8 else f"[{ranks[0]}..{ranks[-1]}] ({len(ranks)})"
 
 
+# words of the errors a dead, hung or unreachable peer leaves (gloo, NCCL, the store)
+_PEER_WORDS = ("timed out", "timeout", "connection", "socket", "peer", "closed", "abort")
+
+
 def describe_failure(group, what: str, err: Exception) -> CommError:
-    """A CommError naming the collective, the group's ranks and the underlying error's first line."""
+    """A CommError naming the collective, the group's ranks, the likely cause and the underlying
+    error's first line: a peer's failure only where the error is one (torch's distributed errors,
+    or words a lost peer leaves); anything else (a tensor on a device the backend does not take,
+    say) is reported as the backend rejecting the call, not blamed on a peer."""
     ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
     first = str(err).splitlines()[0] if str(err) else ""
-    return CommError(f"rank {dist.get_rank()}: {what} over ranks {_short(ranks)} failed: a peer rank probably "
-                     f"died or timed out ({type(err).__name__}: {first})")
+    peer = isinstance(err, dist.DistError) or any(w in first.lower() for w in _PEER_WORDS)
+    cause = "a peer rank probably died or timed out" if peer else "the backend rejected the call"
+    return CommError(f"rank {dist.get_rank()}: {what} over ranks {_short(ranks)} failed: {cause} "
+                     f"({type(err).__name__}: {first})")
 
 
 def leave(code: int = 0):
