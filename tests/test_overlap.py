@@ -4,7 +4,7 @@ On 2 gloo ranks with skewed routing (so replicas / FSEP slots move), for the ste
 when the token all-to-all starts and when the stock experts compute the owner slots, the fetch is
 still outstanding (not waited for); the slots are computed after the stock experts; the output
 equals the stock allgather dispatcher's. The fetch runs on a process group of its own, so it does
-not queue behind the token exchanges.
+not queue behind the token exchanges, made when the layer is built.
 
 The slots' gradients return (a collective) only after the stock experts' backward on every rank, a
 rank without slot rows too: joining earlier, it would wait there for the other ranks' expert backward
@@ -20,6 +20,7 @@ E, H, T = 8, 16, 48
 def _worker(rank, world, policy):
     import megatron_rails
     from megatron_rails import new_step
+    from megatron_rails.runtime.comm import base as comm_base
     from megatron_rails.runtime.comm.base import side_group
 
     torch.manual_seed(3)
@@ -30,10 +31,13 @@ def _worker(rank, world, policy):
     finally:
         megatron_rails.uninstall()
     rails.load_state_dict(stock.state_dict())
+    runtime = rails.token_dispatcher.runtime
+    # made with the layer, not at the first fetch: where the default group is bound to a device,
+    # making a group is a collective of every rank, which pipeline stages would reach apart
+    assert tuple(torch.distributed.get_process_group_ranks(runtime.group)) in comm_base._SIDE
     with torch.no_grad():  # every token prefers expert 0: its owner rank straggles
         for layer in (stock, rails):
             layer.router.weight[0].add_(3.0)
-    runtime = rails.token_dispatcher.runtime
     events = []
 
     def spy(name, fn):

@@ -44,7 +44,7 @@ from ..core.planners import make_planner
 from ..core.planners.step import choose, grow, replica_cost_tokens, route_on
 from ..core.policy import PolicyConfig
 from .comm import all_gather_counts, collective_device, make_comm
-from .comm.base import node_group
+from .comm.base import node_group, side_group
 from .expert_kind import ExpertKind
 from .experts import ExpertStore, ShardedExpertStore
 from .faults import maybe_fault
@@ -136,6 +136,12 @@ class LayerRuntime:
         self.nodes = self.num_ranks // self.node_size if self.num_ranks % self.node_size == 0 else 1
         if self.nodes > 1 and policy.dedup:  # the fan-out's group: made with the layer, on every EP
             node_group(group, self.node_size)  # rank at the same point, not in the middle of a step
+        if self.num_ranks > 1 and policy.policy != "none":
+            # the weight fetches' group, likewise: where the default group is bound to a device,
+            # torch makes every new group by splitting the world's NCCL communicator, a collective
+            # of all ranks, which pipeline stages reaching their first fetch at different times
+            # would never complete
+            side_group(group)
         self.units: Optional[NodeUnits] = None
         self.dedup: Optional[DedupExchange] = None
         self.store: Optional[ExpertStore] = None

@@ -142,9 +142,10 @@ def node_group(group, G: int):
 
 def side_group(group):
     """A second process group over `group`'s ranks, created once per process (only its members
-    take part), for exchanges that run in the background: its own gloo threads / NCCL communicator
-    and stream, so they proceed beside the token all-to-alls on `group` instead of queueing with
-    them. Inherits the group's timeout."""
+    take part; the runtime makes it when it builds a layer that moves weights), for exchanges that
+    run in the background: its own gloo threads / NCCL communicator and stream, so they proceed
+    beside the token all-to-alls on `group` instead of queueing with them. Inherits the group's
+    timeout."""
     ranks = tuple(dist.get_process_group_ranks(group) if group is not None else range(dist.get_world_size()))
     if ranks not in _SIDE:
         _SIDE[ranks] = dist.new_group(list(ranks), timeout=group_timeout(group), use_local_synchronization=True)
