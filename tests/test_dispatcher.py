@@ -183,3 +183,31 @@ def test_expert_parallel_comm_overlap_is_refused():
     """Megatron's 1F1B all-to-all overlap splits the layer's autograd graph into pieces run around
     another microbatch's: refused at build time with the flag's name, not left to fail inside."""
     spawn(_refusal_worker, 1)
+
+
+def _cuda_graph_worker(rank, world):
+    import megatron_rails
+
+    regions = "cuda_graph_modules" if hasattr(moe_config(world, "alltoall"), "cuda_graph_modules") else \
+        "cuda_graph_scope"  # 0.19 / 0.16
+    megatron_rails.install({"policy": "ultraep"})
+    try:
+        for impl, captured, refused in (("local", [], True), ("transformer_engine", ["moe_router", "moe_preprocess"], True),
+                                        ("transformer_engine", ["attn", "moe_router"], False)):
+            cfg = moe_config(world, "alltoall")
+            cfg.cuda_graph_impl = impl  # set after validation, which wants CUDA and Transformer Engine
+            setattr(cfg, regions, captured)
+            if refused:
+                with pytest.raises(NotImplementedError, match=f"CUDA graph .*cuda_graph_impl={impl}"):
+                    build_moe_layer(cfg)
+            else:
+                build_moe_layer(cfg)
+    finally:
+        megatron_rails.uninstall()
+
+
+def test_cuda_graphs_over_the_dispatcher_are_refused():
+    """The dispatcher gathers counts and plans on the host every step, which a CUDA graph cannot
+    replay: a capture region that holds it (the whole layer, the MoE preprocessing) is refused at
+    build time by name; one that does not (attention, the router) is not."""
+    spawn(_cuda_graph_worker, 1)

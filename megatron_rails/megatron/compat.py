@@ -17,6 +17,8 @@
   padded tokens per expert in 0.19.x (`stock_permute`).
 * 0.16.x's router GEMM tests `moe_utils.te_general_gemm is not None`, but without Transformer Engine
   the name is never defined: the first MoE forward raises NameError (`define_te_general_gemm`).
+* CUDA graph regions: `cuda_graph_scope` in 0.16.x, `cuda_graph_modules` in 0.19.x (which also has
+  `cuda_graph_impl="full_iteration"`); an empty list is the whole layer (`cuda_graphs_capture_dispatch`).
 """
 from __future__ import annotations
 
@@ -206,3 +208,24 @@ def wait_param_gather(module) -> None:
             for hook in list(hooks.values()):
                 if getattr(hook, "__qualname__", "").startswith(_DDP_PARAM_HOOK):
                     hook(m, ())
+
+
+def cuda_graphs_capture_dispatch(config) -> str | None:
+    """The CUDA graph setting, as a user names it, under which Megatron would capture the token
+    dispatcher's steps (the whole layer, the MoE layer, its preprocessing, or the whole
+    iteration); None when CUDA graphs are off or capture other regions only."""
+    impl = str(getattr(config, "cuda_graph_impl", "none") or "none")
+    if impl == "none":
+        return None
+    if impl == "full_iteration":
+        return "cuda_graph_impl=full_iteration"
+    regions = getattr(config, "cuda_graph_modules", None)
+    if regions is None:
+        regions = getattr(config, "cuda_graph_scope", None)
+    if regions is None or isinstance(regions, (str, bytes)) or not isinstance(regions, (list, tuple)):
+        regions = [] if regions in (None, "", "full") else [regions]
+    names = [str(getattr(r, "name", r)) for r in regions]
+    if not names or "full" in names:
+        return f"cuda_graph_impl={impl} over whole layers"
+    caught = [n for n in names if n in ("moe", "moe_preprocess", "full_iteration")]
+    return f"cuda_graph_impl={impl} with cuda_graph_scope {caught}" if caught else None

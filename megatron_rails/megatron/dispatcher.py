@@ -22,7 +22,7 @@ from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 from ..core.policy import PolicyConfig
 from ..runtime.layer import LayerRuntime, PlanMismatchError  # noqa: F401  (PlanMismatchError: part of the API)
 from . import metrics as rails_metrics
-from .compat import wait_param_gather
+from .compat import cuda_graphs_capture_dispatch, wait_param_gather
 from .expert_kinds import expert_kind
 from .grad_sync import hook_ddp
 
@@ -51,6 +51,11 @@ class RailsTokenDispatcher(MoETokenDispatcher):
             raise NotImplementedError("megatron-rails does not support overlap_moe_expert_parallel_comm "
                                       "(--overlap-moe-expert-parallel-comm); turn it off to use the rails "
                                       "dispatcher")
+        captured = cuda_graphs_capture_dispatch(config)
+        if captured:
+            # the dispatcher gathers counts and plans on the host every step: nothing a graph replays
+            raise NotImplementedError(f"megatron-rails cannot run inside a CUDA graph ({captured}): capture "
+                                      "attn, mlp or moe_router only, or turn CUDA graphs off")
         self.num_local_experts = num_local_experts
         self.local_expert_indices = list(local_expert_indices)
         self.num_experts = config.num_moe_experts
