@@ -21,6 +21,7 @@ status 1 on any mismatch.
     python scripts/gpu_check.py                       # 4 ranks on cuda:0, every policy, both comms
     python scripts/gpu_check.py --device cpu --ranks 4 --hidden 16 --tokens 64
     python scripts/gpu_check.py --ranks 1 --backend nccl   # one NCCL rank (no exchange happens)
+    python scripts/gpu_check.py --shared-experts --policies fsep   # shared experts on their stream
 """
 from __future__ import annotations
 
@@ -57,6 +58,9 @@ def _parse(argv):
     p.add_argument("--micro", type=int, default=2, help="microbatches per step (default 2)")
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--tokens", type=int, default=512, help="tokens per rank per microbatch")
+    p.add_argument("--shared-experts", action="store_true",
+                   help="add shared experts, on CUDA overlapped with the dispatcher (--moe-shared-expert-overlap: "
+                        "the dispatcher runs them on their own stream)")
     p.add_argument("--perturb", action="store_true",
                    help="self-test: nudge one of our expert weights by 1e-3; the check must then fail")
     a = p.parse_args(argv)
@@ -69,15 +73,16 @@ def _parse(argv):
     return a
 
 
-def _config(world: int, dispatcher: str, hidden: int):
+def _config(world: int, dispatcher: str, hidden: int, shared: bool = False, overlap: bool = False):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    extra = dict(moe_shared_expert_intermediate_size=2 * hidden, moe_shared_expert_overlap=overlap) if shared else {}
     return TransformerConfig(
         num_layers=1, hidden_size=hidden, num_attention_heads=2, num_moe_experts=EXPERTS, moe_router_topk=TOPK,
         moe_token_dispatcher_type=dispatcher, ffn_hidden_size=2 * hidden, moe_ffn_hidden_size=2 * hidden,
         add_bias_linear=False, expert_model_parallel_size=world, use_cpu_initialization=True,
         moe_aux_loss_coeff=0.0, gated_linear_unit=True, activation_func=torch.nn.functional.silu,
-        bias_activation_fusion=False, moe_router_load_balancing_type="none", init_method_std=0.2)
+        bias_activation_fusion=False, moe_router_load_balancing_type="none", init_method_std=0.2, **extra)
 
 
 def _probe(dev: torch.device, rank: int, world: int) -> None:
@@ -107,13 +112,15 @@ def _layers(world, policy, comm, a, dev):
     from megatron_rails.megatron.compat import build_moe_layer
 
     torch.manual_seed(11)
-    stock = build_moe_layer(_config(world, _stock_dispatcher(dev), a.hidden))
+    # overlapped shared experts need a CUDA stream, and the stock dispatcher that takes them is alltoall
+    overlap = a.shared_experts and dev.type == "cuda"
+    stock = build_moe_layer(_config(world, _stock_dispatcher(dev), a.hidden, a.shared_experts, overlap))
     # tolerances 0: every policy re-plans and RailS sprays at any imbalance; 2 virtual nodes (>= 2 ranks)
     megatron_rails.install({"policy": policy, "slots": 2, "comm": comm, "tolerance": 0.0, "window": 2,
                             "interval": 2, "ranks_per_node": max(1, world // 2), "dedup": True, "rails_tolerance": 0.0,
                             "check_plan": True})
     try:
-        rails = build_moe_layer(_config(world, "alltoall", a.hidden))
+        rails = build_moe_layer(_config(world, "alltoall", a.hidden, a.shared_experts, overlap))
     finally:
         megatron_rails.uninstall()
     rails.load_state_dict(stock.state_dict())

@@ -53,3 +53,10 @@ def test_a_nudged_weight_fails_the_check():
     proc = _run("--perturb", "--policies", "fsep", "ultraep", "--comms", "rails")
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert [v for v, _ in _cases(proc.stdout).values()] == ["BAD", "BAD"], proc.stdout
+
+
+def test_shared_experts_match_stock():
+    """--shared-experts (on CUDA overlapped with the dispatcher; on the host run by MoELayer)."""
+    proc = _run("--shared-experts", "--policies", "fsep", "--comms", "direct")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert [v for v, _ in _cases(proc.stdout).values()] == ["ok"], proc.stdout
