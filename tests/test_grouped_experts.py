@@ -308,6 +308,7 @@ class _Writer:
 
 def _metrics_worker(rank, world):
     import torch.distributed as dist
+    from megatron.core import tensor_parallel
     from moe_harness import build_moe_layer
 
     import megatron_rails
@@ -333,15 +334,21 @@ def _metrics_worker(rank, world):
     compat.clear_moe_metrics()
     gen = torch.Generator().manual_seed(rank)
     skew = torch.ones(H)
-    with torch.no_grad():  # no autograd: nothing goes to the tracker
+    layers[1].eval()
+    with torch.no_grad():  # evaluation (Megatron's evaluate()): nothing goes to the tracker
         layers[1](torch.randn(T, 1, H, generator=gen) + skew)
+    layers[1].train()
     assert all(compat.moe_metric_values(n) is None or not compat.moe_metric_values(n).any() for n in TRACKED)
     maps.clear()
     records = {n: [] for n in layers}
     recount = {n: [] for n in layers}
-    for _ in range(2):  # two microbatches
+    for micro in range(2):  # two microbatches, the second under Megatron's activation recompute
         for number, layer in layers.items():
-            out, _ = layer(torch.randn(T, 1, H, generator=gen) + skew)
+            x = torch.randn(T, 1, H, generator=gen).add_(skew).requires_grad_(True)
+            if micro == 0:
+                out, _ = layer(x)
+            else:  # its first forward runs without autograd, the replay inside the backward
+                out = tensor_parallel.checkpoint(lambda inp, m=layer: m(inp)[0], False, x)
             out.sum().backward()
             disp = layer.token_dispatcher
             records[number].append(disp.metrics[-1])

@@ -42,11 +42,12 @@ def layer_ref(layer):
 
 def record_step(layer, record: dict, device) -> bool:
     """Put one layer step's TRACKED values into Megatron's tracker. Skipped (False) without a layer,
-    before Megatron numbered it (`set_layer_number`), in eval mode and without autograd, as the
-    router skips its aux losses there."""
+    before Megatron numbered it (`set_layer_number`) and in eval mode. A training forward without
+    autograd counts: under activation recompute the first forward runs so (the router records its
+    aux losses in the replay instead, which the runtime does not record: it repeats the plan)."""
     if layer is None or getattr(layer, "layer_number", None) is None:
         return False
-    if not (layer.training and torch.is_grad_enabled()):
+    if not layer.training:
         return False
     cfg = layer.config
     num_layers = cfg.num_layers + (getattr(cfg, "mtp_num_layers", None) or 0)  # the router's convention
