@@ -360,3 +360,29 @@ def test_no_sync_holds_for_a_backward_run_on_another_thread():
         assert store.flushes == 1 and not w.pending
     finally:
         residency.settled(store)
+
+
+def _inference_then_training_worker(rank, world):
+    w = torch.linspace(-1, 1, T * H).view(T, 1, H)
+    for policy in ("ultraep", "fsep"):
+        stock, rails, u = _layers(world, policy)
+        x = _batch(rank, 0, 0, u)
+        with torch.inference_mode():  # generation (an RL rollout) on the training model itself
+            got = rails(x.clone())[0]
+            assert rails.token_dispatcher.store.window.moved, f"{policy}: no slot moved under skew"
+        torch.testing.assert_close(got, stock(x.clone())[0], rtol=1e-5, atol=1e-5)
+        outs = []
+        for layer in (stock, rails):  # then a training step on the same counts
+            xi = x.clone().requires_grad_(True)
+            out = layer(xi)[0]
+            (out * w).sum().backward()
+            outs.append((out.detach(), xi.grad))
+        torch.testing.assert_close(outs[1][0], outs[0][0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(outs[1][1], outs[0][1], rtol=1e-5, atol=1e-5)
+
+
+def test_a_window_fetched_in_inference_mode_does_not_serve_training():
+    """Slots fetched under torch.inference_mode() hold inference tensors, which autograd cannot
+    save: the next training forward fetches afresh instead of computing on them (it raised), and
+    matches stock."""
+    spawn(_inference_then_training_worker, 2)

@@ -114,7 +114,14 @@ class ExpertStore:
         return residency.epoch(), sum(t._version for t in self.params.values())
 
     def stale(self) -> bool:
-        return self.window is not None and self.window.key != self.key()
+        """Whether the resident window may not serve this forward: the weights changed since it
+        was fetched, or it was fetched under torch.inference_mode() (its weights are inference
+        tensors, which autograd refuses to save) and this forward is not (such a window never owes
+        gradients: dropping it loses nothing)."""
+        w = self.window
+        if w is None:
+            return False
+        return w.key != self.key() or (w.inference and not torch.is_inference_mode_enabled())
 
     def drop_window(self) -> None:
         if self.window is not None:
@@ -137,7 +144,8 @@ class ExpertStore:
         rank calls it with the same placement). comm: the exchange backend (runtime/comm); the fetch
         runs in the background (exchange_async) until the window's weights are first read, the
         gradients return by comm.exchange."""
-        self.window = Window(placement, self.key(), bool(placement.is_moved_R.any()))
+        self.window = Window(placement, self.key(), bool(placement.is_moved_R.any()),
+                             inference=torch.is_inference_mode_enabled())
         self.window.add_part(*self._fetch(placement, np.ones(placement.num_replicas, dtype=bool), comm))
         return self.window
 

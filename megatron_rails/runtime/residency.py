@@ -139,6 +139,7 @@ class Window:
     pending:   gradients accumulated and not yet returned (identical on every rank).
     in_flight: training forwards on these slots whose backward has not run yet.
     forwards:  training forwards on this window so far.
+    inference: fetched under torch.inference_mode() (the store's stale() drops it outside).
     """
 
     placement: Placement
@@ -155,6 +156,7 @@ class Window:
     pending: bool = False
     in_flight: int = 0
     forwards: int = 0
+    inference: bool = False
 
     def add_part(self, fetch, slots_N: np.ndarray, route: dict) -> None:
         """Append the rows of one fetch (a Pending of [n, W'] rows for slots_N, int64 [n])."""
