@@ -129,7 +129,7 @@ def megatron_ddp(model, *, overlap_grad_reduce: bool, use_distributed_optimizer:
         overlap_param_gather=overlap_param_gather, bucket_size=bucket_size)
     ddp = DistributedDataParallel(config, ddp_config, model)
     # OptimizerConfig's defaults are weight decay 0.01, clip 1.0, SGD momentum 0.9
-    kw = dict(weight_decay=0.0, clip_grad=0.0, sgd_momentum=0.0, **optimizer_kw)
+    kw = {**dict(weight_decay=0.0, clip_grad=0.0, sgd_momentum=0.0), **optimizer_kw}
     opt_config = OptimizerConfig(optimizer=optimizer, lr=lr, use_distributed_optimizer=use_distributed_optimizer, **kw)
     opt = get_megatron_optimizer(opt_config, [ddp])
 

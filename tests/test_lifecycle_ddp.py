@@ -121,3 +121,72 @@ def _worker(rank, world, policies):
 @pytest.mark.parametrize("policy", ["ultraep", "fsep"])
 def test_megatron_ddp_training_matches_stock(policy):
     spawn(_worker, 2, [policy])
+
+
+def _setup(rank, world):
+    H = moe_config(world, "allgather").hidden_size
+    u = torch.tensor(np.random.default_rng(3).standard_normal((E, H)), dtype=torch.float32)
+    u /= u.norm(dim=1, keepdim=True)
+    return H, u
+
+
+def _chunks_worker(rank, world):
+    from ddp_harness import cpu_megatron, megatron_ddp
+
+    H, u = _setup(rank, world)
+    with cpu_megatron():
+        chunks = [_build(world, "fsep", u) for _ in range(2)]  # two model chunks (virtual pipeline stages)
+        ddps = [megatron_ddp(c, overlap_grad_reduce=True, use_distributed_optimizer=False, lr=LR)[0] for c in chunks]
+        stores = [c.layer.token_dispatcher.store for c in chunks]
+        x, _ = _microbatches(rank, 0, u, H)[0]
+        for ddp in ddps:
+            ddp.zero_grad_buffer()
+        with ddps[0].no_sync(), ddps[1].no_sync():  # both chunks' backward done, nothing returned yet
+            ddps[1](ddps[0](x)).sum().backward()
+        assert [s.returns for s in stores] == [0, 0] and all(s.window.pending for s in stores)
+        # the interleaved schedule syncs one chunk as its backward completes; the other's layers may
+        # still accumulate (more microbatches) and return at their own sync
+        ddps[1].start_grad_sync()
+        assert [s.returns for s in stores] == [0, 1], [s.returns for s in stores]
+        ddps[0].start_grad_sync()
+        assert [s.returns for s in stores] == [1, 1], [s.returns for s in stores]
+
+
+def test_a_chunks_grad_sync_returns_its_own_layers_only():
+    """Interleaved pipelines sync model chunks one by one (grad_sync_func): each DDP's sync returns
+    the slot gradients of its own layers, so every layer returns once per step, not once per later
+    chunk's sync as well."""
+    spawn(_chunks_worker, 2)
+
+
+def _owed_at_step_worker(rank, world):
+    from ddp_harness import cpu_megatron, megatron_ddp
+
+    H, u = _setup(rank, world)
+    with cpu_megatron():
+        trained = {}
+        for policy in ("stock", "fsep"):
+            model = _build(world, policy, u)
+            if policy != "stock":
+                model.layer.load_state_dict(trained["stock"][0].module.layer.state_dict())
+            # clipping reads every gradient before the update: a small bound makes it act
+            trained[policy] = megatron_ddp(model, overlap_grad_reduce=True, use_distributed_optimizer=False, lr=LR,
+                                           clip_grad=1e-3)
+        for policy, (ddp, opt) in trained.items():
+            ddp.zero_grad_buffer()
+            opt.zero_grad()
+            for x, y in _microbatches(rank, 0, u, H):
+                with ddp.no_sync():  # every microbatch, and no finalize_model_grads: all still owed
+                    ((ddp(x) - y) ** 2).mean().backward()
+            ok, _, _ = opt.step()
+            assert ok
+        want = trained["stock"][0].module.layer.state_dict()
+        got = trained["fsep"][0].module.layer.state_dict()  # stock layout
+        for k, v in want.items():
+            torch.testing.assert_close(got[k], v, rtol=1e-5, atol=1e-6, msg=lambda m: f"rank {rank}: {k}\n{m}")
+
+
+def test_a_megatron_optimizer_step_returns_what_is_owed_before_reading_gradients():
+    """The last resort: slot gradients still owed when a Megatron optimizer steps go back before it
+    reads any gradient (its grad-norm clipping here), not after (the torch step hook, too late)."""
+    spawn(_owed_at_step_worker, 2)

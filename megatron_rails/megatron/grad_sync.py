@@ -8,9 +8,13 @@ gradient-ready hooks) or explicitly (`start_grad_sync` as `grad_sync_func`, `fin
 * `no_sync()` also enters the runtime's `no_sync()`: slot gradients accumulate locally;
 * a DDP built without overlap_grad_reduce reduces only in `finish_grad_sync()` and Megatron-LM then
   never enters no_sync: the rails layers inside it defer every return to that call (`defer_flush`);
-* `start_grad_sync()` / `finish_grad_sync()` first return any slot gradients still owed, so that
-  the reduction reads complete gradients (the interleaved schedule with `grad_sync_func` runs the
-  chunk's last backward inside no_sync and reduces afterwards).
+* `start_grad_sync()` / `finish_grad_sync()` first return the slot gradients still owed by that
+  DDP's own layers, so that the reduction reads complete gradients (the interleaved schedule with
+  `grad_sync_func` runs a chunk's last backward inside no_sync and reduces that chunk afterwards,
+  one chunk at a time: the other chunks' layers still accumulate and return at their own sync);
+* a Megatron optimizer's `prepare_grads()`, the first thing its step reads gradients in, first
+  returns whatever is still owed anywhere (the torch optimizer step hook of runtime/residency.py
+  comes after the gradients were read there).
 
 The hooks stay after `uninstall()`: layers built meanwhile keep their dispatcher. Without rails
 layers they do nothing (no store owes anything).
@@ -18,6 +22,7 @@ layers they do nothing (no store owes anything).
 from __future__ import annotations
 
 import contextlib
+import functools
 
 from ..runtime import residency
 
@@ -34,10 +39,12 @@ def hook_ddp() -> None:
 
     def rails_init(self, config, ddp_config, module, *args, **kwargs):
         init(self, config, ddp_config, module, *args, **kwargs)
+        self.rails_stores = []  # this model chunk's rails layers' stores
         for m in module.modules():
             store = getattr(getattr(getattr(m, "token_dispatcher", None), "runtime", None), "store", None)
             if store is not None:
                 store.defer_flush = not ddp_config.overlap_grad_reduce
+                self.rails_stores.append(store)
 
     @contextlib.contextmanager
     def rails_no_sync(self):
@@ -45,13 +52,41 @@ def hook_ddp() -> None:
             yield
 
     def rails_start_grad_sync(self, *args, **kwargs):
-        residency.flush_pending()
+        residency.flush_pending(_own_stores(self))
         return start(self, *args, **kwargs)
 
     def rails_finish_grad_sync(self, *args, **kwargs):
-        residency.flush_pending()
+        residency.flush_pending(_own_stores(self))
         return finish(self, *args, **kwargs)
 
     _hooked.update(init=init, no_sync=no_sync, start_grad_sync=start, finish_grad_sync=finish)
     DDP.__init__, DDP.no_sync = rails_init, rails_no_sync
     DDP.start_grad_sync, DDP.finish_grad_sync = rails_start_grad_sync, rails_finish_grad_sync
+    _hook_optimizers()
+
+
+def _own_stores(ddp):
+    """The stores of `ddp`'s own rails layers; None (every store) where it has none to name, so
+    that nothing owed is ever left out of a reduction."""
+    return getattr(ddp, "rails_stores", None) or None
+
+
+def _hook_optimizers() -> None:
+    """Every Megatron optimizer class that defines prepare_grads(): return what is owed first."""
+    from megatron.core import optimizer as megatron_optimizer
+
+    for cls in vars(megatron_optimizer.optimizer).values():
+        if not (isinstance(cls, type) and "prepare_grads" in vars(cls)
+                and issubclass(cls, megatron_optimizer.MegatronOptimizer)):
+            continue
+        prepare = cls.prepare_grads
+        if getattr(prepare, "__isabstractmethod__", False):
+            continue
+
+        @functools.wraps(prepare)
+        def rails_prepare_grads(self, *args, _prepare=prepare, **kwargs):
+            residency.flush_pending()
+            return _prepare(self, *args, **kwargs)
+
+        _hooked[f"{cls.__name__}.prepare_grads"] = (cls, prepare)
+        cls.prepare_grads = rails_prepare_grads

@@ -85,10 +85,15 @@ def epoch() -> int:
     return _epoch
 
 
-def flush_pending() -> None:
-    """Return every store's accumulated slot gradients now (collective over each EP group; every rank
-    must call it at the same point). Adds into `main_grad` where the framework keeps one, else `.grad`."""
+def flush_pending(stores=None) -> None:
+    """Return the accumulated slot gradients of every store, or of `stores` only (one model
+    chunk's), now (collective over each EP group; every rank must call it at the same point), in
+    the order the stores came to owe them. Adds into `main_grad` where the framework keeps one,
+    else `.grad`."""
+    only = None if stores is None else {id(s) for s in stores}
     for store in list(_owing.values()):
+        if only is not None and id(store) not in only:
+            continue
         if store.window is not None and store.window.pending:
             store.flush(store.window, in_graph=False)
         settled(store)
