@@ -386,3 +386,36 @@ def test_a_window_fetched_in_inference_mode_does_not_serve_training():
     save: the next training forward fetches afresh instead of computing on them (it raised), and
     matches stock."""
     spawn(_inference_then_training_worker, 2)
+
+
+def _eval_worker(rank, world):
+    states = []
+    for with_eval in (False, True):
+        _stock, rails, u = _layers(world, "eplb")
+        runtime = rails.token_dispatcher.runtime
+        got = []
+        for micro in range(4):
+            if with_eval:  # evaluation in between: other data, routed to other hot experts
+                rails.eval()
+                with torch.no_grad():
+                    for k in range(3):
+                        rails(_batch(rank, 7, k + micro, u))
+                rails.train()
+            out = rails(_batch(rank, 0, micro, u))[0]
+            out.sum().backward()
+            state = runtime.state
+            got.append((state.history_IE.copy(), state.step, state.placement.slot_expert_DS.copy()))
+        states.append(got)
+    for micro, (want, seen) in enumerate(zip(*states)):
+        where = f"rank {rank} microbatch {micro}"
+        assert np.array_equal(seen[0], want[0]), f"{where}: evaluation counts entered eplb's history"
+        assert seen[1] == want[1], f"{where}: evaluation forwards advanced eplb's step ({seen[1]} vs {want[1]})"
+        assert np.array_equal(seen[2], want[2]), f"{where}: eplb planned another placement"
+
+
+def test_evaluation_forwards_do_not_feed_the_planners_history():
+    """eplb plans from the history of training counts: evaluation forwards between training
+    microbatches must not enter it nor advance its re-plan interval, so its plans are those of
+    training alone (which placement a step then uses may still follow the resident window's
+    weights: reusing them is free)."""
+    spawn(_eval_worker, 2)

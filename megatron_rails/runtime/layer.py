@@ -178,8 +178,9 @@ class LayerRuntime:
         counts_DE, (lo, hi) = gathered[:, :E], gathered[self.rank, E:]
         t1 = time.perf_counter()
         replay = is_replay()
+        trains = training if training is not None else torch.is_grad_enabled()
         self.store.refresh()
-        plan, opened = self._plan(counts_DE, replay)
+        plan, opened = self._plan(counts_DE, replay, trains)
         t2 = time.perf_counter()
         fetched = 0  # replicas whose weights this microbatch fetches
         if opened == GROWN:  # more replicas in free slots of the resident placement (collective)
@@ -190,7 +191,7 @@ class LayerRuntime:
             self.store.open_window(plan.placement, self.comm)
             fetched = int(plan.placement.is_moved_R.sum())
         window = self.store.window
-        if not replay and window.moved and (training if training is not None else torch.is_grad_enabled()):
+        if not replay and window.moved and trains:
             window.in_flight += 1  # its backward (ResidentSlots') counts it off
             window.forwards += 1
         self.plan = plan
@@ -215,9 +216,10 @@ class LayerRuntime:
                                        self.group, self.comm)
         return units_DV
 
-    def _plan(self, counts_DE: np.ndarray, replay: bool) -> tuple[Plan, object]:
+    def _plan(self, counts_DE: np.ndarray, replay: bool, trains: bool = True) -> tuple[Plan, object]:
         """The plan for these counts, and whether it opens a new window of resident slots (True),
-        grows the resident one (GROWN) or runs on it (False)."""
+        grows the resident one (GROWN) or runs on it (False). Only training forwards advance the
+        planner's state (a history planner learns from training counts, not evaluation's)."""
         key = hashlib.blake2b(counts_DE.tobytes(), digest_size=16).digest()
         store = self.store
         if store.stale():  # the weights changed (an optimizer step): a new step begins
@@ -238,7 +240,10 @@ class LayerRuntime:
             # these counts: route them on it; plan afresh only to look for replicas worth adding
             plan, opened = self._grow(route_on(resident, counts_DE, self.planner.name), counts_DE)
         else:
-            fresh, self.state = self.planner.plan(counts_DE, self.state)
+            if trains:
+                fresh, self.state = self.planner.plan(counts_DE, self.state)
+            else:
+                fresh, _ = self.planner.plan(counts_DE, copy.deepcopy(self.state))
             locked = window is not None and window.locked
             plan, opened = choose(fresh, resident, counts_DE, locked=locked)
             if locked:
