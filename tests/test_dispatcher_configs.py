@@ -139,3 +139,49 @@ def test_one_ep_rank_runs_every_policy_as_none():
     """With one EP rank there is nothing to balance: every policy runs as none (stock layout, no
     weight movement) and says so once; the output is stock's, bit for bit."""
     spawn(_alone_worker, 1)
+
+
+def _uneven_worker(rank, world):
+    import megatron_rails
+
+    T_rank = [13, 7, 5, 11][:world]  # tokens per rank differ (odd sizes too)
+    T_max = max(T_rank)
+    cfg = {}
+    torch.manual_seed(1234)
+    stock = build_moe_layer(_config(world, "allgather", cfg))
+    rng = np.random.default_rng(17)
+    skew = torch.tensor(rng.standard_normal(H), dtype=torch.float32) * 2.0  # every rank leans the same way
+    gen = torch.Generator().manual_seed(40 + rank)
+    x_np = torch.randn(T_rank[rank], H, generator=gen) + skew
+    w_np = torch.linspace(-1, 1, T_rank[rank] * H).view(T_rank[rank], 1, H)
+    # stock's allgather dispatcher assumes one token count on every rank: pad its input with tokens
+    # whose loss weight is zero (tokens are independent without capacity limits or aux losses)
+    x_pad = torch.cat([x_np, torch.zeros(T_max - T_rank[rank], H)]).view(-1, 1, H).requires_grad_(True)
+    w_pad = torch.cat([w_np, torch.zeros(T_max - T_rank[rank], 1, H)])
+    out, _ = stock(x_pad)
+    (out * w_pad).sum().backward()
+    want = (out.detach()[:T_rank[rank]], x_pad.grad[:T_rank[rank]].clone(), _grads(stock))
+    for policy in POLICIES + ["default"]:
+        megatron_rails.install({"policy": policy, "slots": 2, "ranks_per_node": 2, "check_plan": True}
+                               if policy != "default" else "default")
+        rails = build_moe_layer(_config(world, "alltoall", cfg))
+        megatron_rails.uninstall()
+        rails.load_state_dict(stock.state_dict())
+        x = x_np.clone().view(-1, 1, H).requires_grad_(True)
+        got, _ = rails(x)
+        (got * w_np).sum().backward()
+        where = f"policy {policy}, rank {rank} ({T_rank[rank]} of {T_rank} tokens)"
+        torch.testing.assert_close(got.detach(), want[0], rtol=1e-5, atol=1e-5, msg=lambda m: f"{where}: output\n{m}")
+        torch.testing.assert_close(x.grad, want[1], rtol=1e-5, atol=1e-5, msg=lambda m: f"{where}: input grad\n{m}")
+        mine = _grads(rails)
+        for n, g in want[2].items():
+            torch.testing.assert_close(mine[n], g, rtol=1e-5, atol=1e-5, msg=lambda m: f"{where}: grad of {n}\n{m}")
+        moved = torch.tensor([float(rails.token_dispatcher.metrics[-1]["weight_bytes_sent"])])
+        torch.distributed.all_reduce(moved)
+        assert policy == "none" or moved.item() > 0, f"{where}: no weights moved, the routing was not skewed"
+
+
+def test_ranks_with_different_token_counts_match_stock():
+    """Ranks holding different numbers of tokens (odd ones too) under skewed routing, every policy
+    and the shipped default, on 4 ranks (2 per node: RailS and dedup paths)."""
+    spawn(_uneven_worker, 4)
