@@ -103,3 +103,46 @@ def _worker(rank, world):
 
 def test_fsep_holds_shards_not_a_stock_copy():
     spawn(_worker, 2)
+
+
+def _dist_ckpt_worker(rank, world):
+    """Megatron-LM's load of a distributed checkpoint: the template from sharded_state_dict(), the
+    checkpoint written in place into its tensors (as dist_checkpointing.load does), then
+    load_state_dict with them."""
+    import dataclasses
+
+    import megatron_rails
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    def cfg(dispatcher, gated):
+        return dataclasses.replace(moe_config(world, dispatcher, experts=E, hidden=H, ffn=F), gated_linear_unit=gated)
+
+    for gated in (False, True):
+        torch.manual_seed(5)
+        stock = build_moe_layer(cfg("allgather", gated))
+        torch.manual_seed(7)  # other weights than the checkpoint's
+        megatron_rails.install({"policy": "fsep", "comm": "direct"})
+        try:
+            rails = build_moe_layer(cfg("alltoall", gated))
+        finally:
+            megatron_rails.uninstall()
+        ckpt = stock.state_dict()
+        loaded, in_place = {}, 0
+        for k, v in rails.sharded_state_dict().items():
+            if isinstance(v, ShardedTensor):
+                v.data.detach().copy_(ckpt[k])
+                loaded[k], in_place = v.data, in_place + 1
+            elif torch.is_tensor(ckpt.get(k)):  # factories (a gated fc1) merge into a new tensor
+                loaded[k] = ckpt[k].clone()
+        assert in_place, "no tensor of the template was loaded in place: the case is not exercised"
+        rails.load_state_dict(loaded, strict=False)
+        _assert_state_equal(rails.state_dict(), ckpt, f"rank {rank}, gated {gated}: state after the load")
+        x = torch.randn(T, 1, H, generator=torch.Generator().manual_seed(rank))
+        with torch.no_grad():
+            torch.testing.assert_close(rails(x.clone())[0], stock(x.clone())[0], rtol=1e-5, atol=1e-5)
+
+
+def test_a_distributed_checkpoint_loads_into_fsep():
+    """The tensors a distributed checkpoint load fills are the stock parameters sharded_state_dict()
+    made live: load_state_dict must shard those values, not write the old shards back over them."""
+    spawn(_dist_ckpt_worker, 2)

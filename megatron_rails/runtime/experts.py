@@ -354,6 +354,7 @@ class ShardedExpertStore(ExpertStore):
         if stock_sharded is not None:
             def sharded_state_dict(*args, **kwargs):
                 self._materialize_stock(self.gather_to_owners())
+                self._stock_live = True
                 out = stock_sharded(*args, **kwargs)
                 return {k: v for k, v in out.items() if not k.endswith(self.PARAM)}
 
@@ -377,7 +378,9 @@ class ShardedExpertStore(ExpertStore):
     @torch.no_grad()
     def release_stock(self) -> None:
         """Free the stock parameters' memory: each becomes one shared element expanded to its shape.
-        A tensor someone still holds (a checkpoint being written) keeps the old memory alive."""
+        A tensor someone still holds (a checkpoint being written) keeps the old memory alive; one
+        who holds a parameter itself sees the placeholder after this."""
+        self._stock_live = False
         zero = {}  # one element per dtype and device, shared by every placeholder of this store
         for p in self.params.values():
             if not _is_placeholder(p):
@@ -461,8 +464,12 @@ class ShardedExpertStore(ExpertStore):
 
     def _before_load(self) -> None:
         # the stock parameters receive the checkpoint; those it lacks (a partial load) keep the
-        # shards' current values
-        self._materialize_stock(self.gather_to_owners())
+        # shards' current values. After sharded_state_dict() they are live already and may hold a
+        # distributed checkpoint's values: its load writes in place into the tensors that call
+        # handed out, which are these parameters, before Megatron calls load_state_dict with them;
+        # writing the shards into them again would load the old weights back
+        if not self._stock_live:
+            self._materialize_stock(self.gather_to_owners())
 
     def _after_load(self, keys) -> None:
         missing = [k for k in keys.missing_keys if k.endswith(self.PARAM)]
