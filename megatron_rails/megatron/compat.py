@@ -222,7 +222,7 @@ def cuda_graphs_capture_dispatch(config) -> str | None:
     regions = getattr(config, "cuda_graph_modules", None)
     if regions is None:
         regions = getattr(config, "cuda_graph_scope", None)
-    if regions is None or isinstance(regions, (str, bytes)) or not isinstance(regions, (list, tuple)):
+    if not isinstance(regions, (list, tuple)):  # one region named alone; None, "" or "full": the layer
         regions = [] if regions in (None, "", "full") else [regions]
     names = [str(getattr(r, "name", r)) for r in regions]
     if not names or "full" in names:

@@ -95,7 +95,7 @@ class RailsTokenDispatcher(MoETokenDispatcher):
         """hidden_states [sequence, batch, H]; routing_map bool [T, E]; probs float [T, E] -> pairs in send order."""
         self.hidden_shape = hidden_states.shape
         if self.shared_experts is not None:  # --moe-shared-expert-overlap: they start on their stream
-            self.shared_experts.pre_forward_comm(hidden_states.view(self.hidden_shape))
+            self.shared_experts.pre_forward_comm(hidden_states)
         x_TH = hidden_states.reshape(-1, self.hidden_shape[-1])
         layer = self._layer() if self._layer else None
         # a training forward pins the step's resident slots (reentrant recompute runs it without grad)
