@@ -24,6 +24,7 @@ CUDA-isms are patched (cpu_megatron).
 from __future__ import annotations
 
 import contextlib
+import queue
 
 import torch
 import torch.distributed as dist
@@ -46,6 +47,8 @@ class _CudaAsCpu(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func is torch.Tensor.cuda:  # the distributed optimizer's fully reshardable checkpoint format
+            return args[0]
         if _is_cuda(kwargs.get("device")):
             kwargs = {**kwargs, "device": "cpu"}
         out = func(*args, **kwargs)
@@ -69,20 +72,23 @@ def cpu_megatron():
     """Megatron DDP + optimizer + schedule on CPU while inside; a no-op where CUDA is available, and
     everything restored on exit. (The model layers need megatron_rails.megatron.cpu_shims, which
     moe_harness.spawn applies.) Other stream/event/synchronize calls are not reached: only
-    num_distributed_optimizer_instances > 1, nccl_ub and grad-buffer offload make them."""
+    num_distributed_optimizer_instances > 1, nccl_ub and grad-buffer offload make them. Also for
+    megatron.core.dist_checkpointing's default (torch_dist) save and load."""
     if torch.cuda.is_available():
         yield
         return
-    old = torch.cuda.current_device, torch.cuda.current_stream
+    old = torch.cuda.current_device, torch.cuda.current_stream, torch.cuda.synchronize
     # DDP and the distributed optimizer allocate their buffers on torch.cuda.current_device()
     torch.cuda.current_device = lambda: torch.device("cpu")
     # 0.19: every grad reduction first makes the current stream wait for CUDA-graph wgrad events
     torch.cuda.current_stream = lambda device=None: _HostStream()
+    # dist_checkpointing's torch_dist save syncs the device before writing its staged copies
+    torch.cuda.synchronize = lambda device=None: None
     try:
         with _CudaAsCpu():
             yield
     finally:
-        torch.cuda.current_device, torch.cuda.current_stream = old
+        torch.cuda.current_device, torch.cuda.current_stream, torch.cuda.synchronize = old
 
 
 def chunk(config, module):
@@ -196,3 +202,47 @@ def full_params(ddp) -> dict[str, torch.Tensor]:
                     start, end = bucket.param_to_index[p]
                     current[p] = full[start:end].view_as(p).clone()
     return {name: current[p] for name, p in ddp.module.named_parameters()}
+
+
+class _InlineProcess:
+    def __init__(self, target, args=(), kwargs=None):
+        self._run = lambda: target(*args, **(kwargs or {}))
+        self.exitcode = None
+
+    def start(self):
+        self._run()
+        self.exitcode = 0
+
+    def join(self, timeout=None):
+        pass
+
+    def is_alive(self):
+        return False
+
+
+class _InlineMultiprocessing:
+    """The multiprocessing calls megatron.core.dist_checkpointing's file writer makes, run in the
+    calling process: its torch_dist save forks a writer per bucket, and a fork of a rank whose gloo
+    threads hold locks hangs on CPU test ranks; it also leaves a spawned Manager process behind."""
+
+    Queue = JoinableQueue = SimpleQueue = staticmethod(queue.Queue)
+    Process = _InlineProcess
+
+    def get_context(self, method=None):
+        return self
+
+    def Manager(self):
+        return self
+
+
+@contextlib.contextmanager
+def inline_checkpoint_writes():
+    """megatron.core.dist_checkpointing.save writes from the calling process while inside."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    old = filesystem_async.mp
+    filesystem_async.mp = _InlineMultiprocessing()
+    try:
+        yield
+    finally:
+        filesystem_async.mp = old

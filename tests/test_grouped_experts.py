@@ -200,6 +200,8 @@ def _ckpt_worker(rank, world, variant):
     assert moved, "training under fsep did not change the saved expert weights"
     loaded = _build(variant, _config(world, "allgather", variant, E, H))
     loaded.load_state_dict(state, strict=True)
+    if VARIANTS[variant][0] == "grouped":  # the CPU stand-in for TE's grouped linear has no sharded_state_dict
+        _optimizer_entries_match_stock(rails, loaded, f"{variant}, rank {rank}")
     again = _build_rails(variant, world, "fsep", E, H)  # a stock-layout checkpoint re-shards on load
     again.load_state_dict(state, strict=True)
     with torch.no_grad():
@@ -209,6 +211,39 @@ def _ckpt_worker(rank, world, variant):
             for other in (loaded, again):
                 got, _ = other(x)
                 torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def _built(sharded: dict) -> dict:
+    """{(key, global offset): data} of every ShardedTensor a sharded state dict holds, factories built."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    def leaves(x):
+        return nested_values(x) if isinstance(x, (dict, list)) else [x]
+
+    out = {}
+    for v in nested_values(sharded):
+        for t in leaves(v.build()) if isinstance(v, ShardedTensorFactory) else [v]:
+            if isinstance(t, ShardedTensor):
+                out[t.key, t.global_offset] = t.data
+    return out
+
+
+def _optimizer_entries_match_stock(rails, stock, where):
+    """An optimizer's entry of fsep's shards (as Megatron's optimizers make it: `data` replaced by a
+    state tensor shaped like the shards, `key` prefixed) builds into the stock entries of the
+    module's expert kind, here over the shards' values: stock's entries over the same weights."""
+    from dataclasses import replace
+
+    store = rails.token_dispatcher.store
+    ours = rails.sharded_state_dict()
+    factory = next(v for k, v in ours.items() if k.endswith(store.PARAM))
+    prefix = "optimizer.state.exp_avg."
+    got = _built({"x": replace(factory, key=prefix + factory.key, data=store.shards.detach().clone())})
+    want = {k: v for k, v in _built(stock.sharded_state_dict()).items() if ".experts." in k[0]}
+    assert want and {(prefix + k, o) for k, o in want} == set(got), (where, sorted(want), sorted(got))
+    for (k, o), v in want.items():
+        torch.testing.assert_close(got[prefix + k, o], v, rtol=0, atol=0, msg=lambda m: f"{where}: {k} {o}\n{m}")
 
 
 @pytest.mark.parametrize("variant", ["grouped_glu", "te_glu_bias_fused_swiglu"])

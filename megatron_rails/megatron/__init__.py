@@ -4,6 +4,7 @@
     install.py        install() / uninstall(): swap the dispatcher into MoELayer (no fork)
     layers.py         RailsMoELayer and a GPT layer spec for own specs; metrics_summary
     expert_kinds.py   per-expert access to SequentialMLP, GroupedMLP, TEGroupedMLP
+    fsep_checkpoint.py  fsep's shards (and their optimizer state) in distributed checkpoints
     compat.py         what differs between Megatron-Core versions; DDP's lazy parameter gathers
     metrics.py        dispatcher metrics into Megatron's MoE tracker
     cpu_shims.py      what Megatron-Core needs to run on CPU (tests, the demo)

@@ -24,6 +24,7 @@ from ..runtime.layer import LayerRuntime, PlanMismatchError  # noqa: F401  (Plan
 from . import metrics as rails_metrics
 from .compat import cuda_graphs_capture_dispatch, wait_param_gather
 from .expert_kinds import expert_kind
+from .fsep_checkpoint import wrap_sharded_state_dict
 from .grad_sync import hook_ddp
 
 _installed: Optional[PolicyConfig] = None  # set by megatron_rails.install(), for dispatchers built meanwhile
@@ -90,6 +91,7 @@ class RailsTokenDispatcher(MoETokenDispatcher):
         self.runtime.attach(expert_kind(experts), before_read=wait_param_gather)
         if self.runtime.policy.sharded:
             _skip_empty_stock_experts(experts)
+            wrap_sharded_state_dict(self.runtime.store)  # checkpoints in the stock layout
 
     def dispatch_preprocess(self, hidden_states: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor):
         """hidden_states [sequence, batch, H]; routing_map bool [T, E]; probs float [T, E] -> pairs in send order."""

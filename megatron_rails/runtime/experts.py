@@ -316,9 +316,12 @@ class ShardedExpertStore(ExpertStore):
     weight gradients travel back the same way and land in the shards (flush). Checkpoints keep the
     stock layout: `state_dict()` assembles the stock tensors from the shards (a collective: every
     rank saves), `load_state_dict()` gives the stock parameters real memory again, loads them and
-    re-shards, and Megatron's `sharded_state_dict()` gets real stock tensors holding the shards'
-    values. Whatever gives the stock parameters memory again (those, or a framework's `.cuda()` /
-    `.bfloat16()`, which expand a placeholder to full size) is released at the next window.
+    re-shards, and a framework that reads the stock parameters in place (Megatron's
+    `sharded_state_dict()`) gets them real, holding the shards' values (stock_for_checkpoint); an
+    optimizer's state of the shards goes to and from the stock layout by stock_layout and
+    shard_layout (megatron/fsep_checkpoint.py). Whatever gives the stock parameters memory again
+    (those, or a framework's `.cuda()` / `.bfloat16()`, which expand a placeholder to full size) is
+    released at the next window.
     """
 
     PARAM = "rails_fsep_shards"
@@ -348,17 +351,8 @@ class ShardedExpertStore(ExpertStore):
         experts.register_load_state_dict_pre_hook(lambda module, *args: self._before_load())
         experts.register_load_state_dict_post_hook(lambda module, keys: self._after_load(keys))
         # Megatron's distributed checkpoints read the stock parameters through sharded_state_dict(),
-        # not state_dict(): give them real memory holding the shards' values there, and keep the
-        # shards out of it. (Loading goes through load_state_dict(), whose hooks re-shard.)
-        stock_sharded = getattr(experts, "sharded_state_dict", None)
-        if stock_sharded is not None:
-            def sharded_state_dict(*args, **kwargs):
-                self._materialize_stock(self.gather_to_owners())
-                self._stock_live = True
-                out = stock_sharded(*args, **kwargs)
-                return {k: v for k, v in out.items() if not k.endswith(self.PARAM)}
-
-            experts.sharded_state_dict = sharded_state_dict
+        # not state_dict(): the Megatron adapter wraps it (megatron/fsep_checkpoint.py) around
+        # stock_for_checkpoint(), stock_layout() and shard_layout()
 
     @property
     def shards(self) -> torch.nn.Parameter:
@@ -400,15 +394,18 @@ class ShardedExpertStore(ExpertStore):
     @torch.no_grad()
     def load_from_owners(self) -> None:
         """Shard the stock local experts' weights over all ranks (collective)."""
+        self.shards.copy_(self._shard(self._owned_flats()))
+
+    def _shard(self, flats: list[torch.Tensor]) -> torch.Tensor:
+        """[E, ceil(W/D)]: this rank's shard of every expert, from every owner's flat [W] vectors of
+        the experts it owns, `flats` here (collective; the flats' dtype)."""
         D, pad = self.num_ranks, self.shard * self.num_ranks
         owned = self._owned()
-        flats = [torch.nn.functional.pad(f, (0, pad - self.flat_size)).view(D, self.shard)
-                 for f in self._owned_flats()]
+        flats = [torch.nn.functional.pad(f, (0, pad - self.flat_size)).view(D, self.shard) for f in flats]
         buf = torch.stack(flats, 1).reshape(D * len(owned), self.shard) if owned else \
             self.shards.new_zeros((0, self.shard))
         n_D = np.bincount(self.owner_E, minlength=D)
-        got = self._whole_experts(buf, [len(owned)] * D, n_D.tolist())  # from each owner, its experts in order
-        self.shards.copy_(got)
+        return self._whole_experts(buf, [len(owned)] * D, n_D.tolist())  # from each owner, its experts in order
 
     @torch.no_grad()
     def gather_to_owners(self, source: torch.Tensor | None = None) -> list[torch.Tensor]:
@@ -437,11 +434,33 @@ class ShardedExpertStore(ExpertStore):
             for t, piece in zip(self._views(e, source), torch.split(vec, self.numels)):
                 t.copy_(piece.view_as(t))
 
-    def _stock_tensors(self, flats: list[torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Fresh tensors in the stock parameters' names, shapes and dtypes holding `flats`."""
-        out = {n: torch.zeros(p.shape, dtype=p.dtype, device=p.device) for n, p in self.params.items()}
+    def _stock_tensors(self, flats: list[torch.Tensor], dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+        """Fresh tensors in the stock parameters' names and shapes holding `flats`, in the parameters'
+        dtypes or `dtype`."""
+        out = {n: torch.zeros(p.shape, dtype=dtype or p.dtype, device=p.device) for n, p in self.params.items()}
         self._scatter(flats, out.__getitem__)
         return out
+
+    # -- any tensor shaped like the shards (optimizer state) in and out of the stock layout ---------
+    def stock_layout(self, src_EX: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The stock parameters' names and shapes holding what `src_EX` [E, ceil(W/D)] (the shards,
+        their gradient, an optimizer's state of them) holds for this rank's owned experts, in
+        src_EX's dtype (collective)."""
+        return self._stock_tensors(self.gather_to_owners(src_EX), src_EX.dtype)
+
+    @torch.no_grad()
+    def shard_layout(self, stock: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """The inverse of stock_layout: tensors in the stock parameters' names and shapes -> this
+        rank's [E, ceil(W/D)] shards of them, in their dtype (collective)."""
+        flats = [torch.cat([t.reshape(-1) for t in self._views(e, stock.__getitem__)]) for e in self._owned()]
+        return self._shard(flats)
+
+    def stock_for_checkpoint(self) -> None:
+        """Give the stock parameters real memory holding the shards' values, for a framework that
+        reads them in place (Megatron's sharded_state_dict()) and may load into them in place; they
+        are released at the next window (collective)."""
+        self._materialize_stock(self.gather_to_owners())
+        self._stock_live = True
 
     def owner_layout_grads(self) -> dict[str, torch.Tensor]:
         """Gradients of the stock expert parameters (names relative to the experts module) implied
