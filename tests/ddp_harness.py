@@ -24,7 +24,6 @@ CUDA-isms are patched (cpu_megatron).
 from __future__ import annotations
 
 import contextlib
-import queue
 
 import torch
 import torch.distributed as dist
@@ -203,46 +202,3 @@ def full_params(ddp) -> dict[str, torch.Tensor]:
                     current[p] = full[start:end].view_as(p).clone()
     return {name: current[p] for name, p in ddp.module.named_parameters()}
 
-
-class _InlineProcess:
-    def __init__(self, target, args=(), kwargs=None):
-        self._run = lambda: target(*args, **(kwargs or {}))
-        self.exitcode = None
-
-    def start(self):
-        self._run()
-        self.exitcode = 0
-
-    def join(self, timeout=None):
-        pass
-
-    def is_alive(self):
-        return False
-
-
-class _InlineMultiprocessing:
-    """The multiprocessing calls megatron.core.dist_checkpointing's file writer makes, run in the
-    calling process: its torch_dist save forks a writer per bucket, and a fork of a rank whose gloo
-    threads hold locks hangs on CPU test ranks; it also leaves a spawned Manager process behind."""
-
-    Queue = JoinableQueue = SimpleQueue = staticmethod(queue.Queue)
-    Process = _InlineProcess
-
-    def get_context(self, method=None):
-        return self
-
-    def Manager(self):
-        return self
-
-
-@contextlib.contextmanager
-def inline_checkpoint_writes():
-    """megatron.core.dist_checkpointing.save writes from the calling process while inside."""
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-
-    old = filesystem_async.mp
-    filesystem_async.mp = _InlineMultiprocessing()
-    try:
-        yield
-    finally:
-        filesystem_async.mp = old
