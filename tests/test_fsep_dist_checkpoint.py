@@ -49,9 +49,27 @@ def _params(model):
     return {k: v.detach().clone() for k, v in model.layer.state_dict().items() if torch.is_tensor(v)}
 
 
+def _stop_writer_manager():
+    """megatron.core.dist_checkpointing's file writer starts a Manager process per process for its
+    results queue and never stops it; these ranks end by os._exit, which would leave it running."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    queue = filesystem_async._results_queue
+    if queue is not None:
+        queue._manager.shutdown()
+        filesystem_async._results_queue = None
+
+
 def _worker(rank, world, root, case):
+    try:
+        _train_save_load(rank, world, root, case)
+    finally:
+        _stop_writer_manager()
+
+
+def _train_save_load(rank, world, root, case):
     from megatron.core import dist_checkpointing
-    from ddp_harness import cpu_megatron, inline_checkpoint_writes, megatron_ddp, train_step
+    from ddp_harness import cpu_megatron, megatron_ddp, train_step
 
     import test_lifecycle_ddp as lc
 

@@ -194,6 +194,48 @@ def test_slot_gradient_rows_no_backward_reached_come_back_zero():
     assert torch.equal(got, want)
 
 
+def test_held_first_gradients_survive_growth_and_sum_exactly():
+    """A row's first gradients are held, not copied, until its next backward sums both into the
+    accumulator in one pass. Growing the window in between (a new part, nothing allocated yet)
+    keeps them; the result equals a dense sum: rows reached once, twice, three times, never."""
+    from megatron_rails.runtime import residency
+    from megatron_rails.runtime.comm.base import Pending
+    from megatron_rails.runtime.residency import Window, resident_anchor, resident_row
+
+    class Store:  # what resident_row reads of an expert store
+        numels = [2, 3]
+        acc_dtype = torch.float32
+
+    store = Store()
+    w = Window(placement=None, key=(0,), moved=True, weights_NW=torch.ones(2, 5))
+    w.slots_N = np.arange(2)
+    gen = torch.Generator().manual_seed(0)
+    want = torch.zeros(3, 5)
+
+    def backward(row):
+        link = torch.zeros(0, requires_grad=True)
+        resident_anchor(w, store, link)
+        pieces = resident_row(w, store, row, link)
+        g = torch.randn(5, generator=gen)
+        want[row] += g
+        torch.autograd.backward(pieces, [g[:2], g[2:]])
+
+    try:
+        backward(0)
+        assert w.acc_NW is None and list(w.acc_held) == [0], "the first gradients were not held"
+        w.add_part(Pending.done(torch.ones(1, 5)), np.array([2]), {})  # grown: a third row
+        w.weights()
+        backward(0)  # held + these, in one pass
+        backward(2)
+        backward(0)
+        acc = w.accumulated()
+        assert acc.shape == (3, 5) and not w.acc_held
+        torch.testing.assert_close(acc, want, rtol=0, atol=1e-6)
+        assert torch.equal(acc[1], torch.zeros(5)), "a row no backward reached is not zero"
+    finally:
+        residency.settled(store)
+
+
 def test_bf16_slot_gradients_accumulate_in_the_frameworks_fp32():
     """bf16 weights whose framework accumulates gradients in fp32 (Megatron DDP's main_grad): the
     slots' gradients accumulate in fp32 over the step's microbatches, as the stock experts' do
@@ -255,8 +297,8 @@ def test_lent_accumulator_keeps_late_adds_through_growth_and_returns():
 
 
 def test_each_slot_adds_its_weight_gradients_right_after_its_own_backward():
-    """A slot's weight gradients go into the accumulator as soon as that slot's backward has made
-    them, before the backward of the slots computed earlier: so one slot's gradients are alive at
+    """A slot's weight gradients are taken (held, or added into the accumulator) as soon as that
+    slot's backward has made them, before the backward of the slots computed earlier: so one slot's gradients are alive at
     a time, not every slot's until the layer's backward ends. Observed from inside the backward:
     when a slot's input gradient is made, every slot computed after it has already added its
     weight gradients. The accumulated rows equal the dense gradients."""
@@ -292,9 +334,9 @@ def test_each_slot_adds_its_weight_gradients_right_after_its_own_backward():
         assert 6 in params and 9 not in params and len(params) == 3 and not params._made
         seen, outs, want = {}, [], {}
 
-        def added_by_then(s):  # which slots' weight gradients are in the accumulator now
+        def added_by_then(s):  # which slots' weight gradients the window has taken now
             def hook(_grad):
-                seen[s] = set() if w.acc_NW is None else {slots[r] for r in np.flatnonzero(~w.acc_fresh)}
+                seen[s] = set() if w.acc_fresh is None else {slots[r] for r in np.flatnonzero(~w.acc_fresh)}
             return hook
 
         for s in slots:
@@ -308,6 +350,8 @@ def test_each_slot_adds_its_weight_gradients_right_after_its_own_backward():
             outs[-1] = (outs[-1] * g).sum()
         (torch.stack(outs).sum() + anchor.sum()).backward()
         assert seen == {7: set(), 6: {7}, 5: {6, 7}}, seen
+        # the step's first gradients are held as autograd made them, not copied (Window.acc_held)
+        assert w.acc_NW is None and sorted(w.acc_held) == [0, 1, 2], (w.acc_NW, w.acc_held)
         acc = w.accumulated()
         for r, s in enumerate(slots):
             torch.testing.assert_close(acc[r].view(F, H), want[s], rtol=1e-6, atol=1e-6)

@@ -253,9 +253,8 @@ class ExpertStore:
 
     def _acc(self, window: Window) -> torch.Tensor:
         """The window's accumulated slot gradients [N, W'] (zeros when no backward reached it)."""
-        if window.acc_NW is not None:
-            return window.accumulated()
-        return window.weights().new_zeros(window.weights().shape, dtype=self.acc_dtype)
+        acc = window.accumulated()
+        return acc if acc is not None else window.weights().new_zeros(window.weights().shape, dtype=self.acc_dtype)
 
     def _return_grads(self, window: Window) -> list[torch.Tensor]:
         """The reverse of the window's fetches, part by part: every slot's accumulated gradient goes

@@ -134,8 +134,12 @@ class Window:
     fetches:   the parts' fetches not waited for yet (comm Pendings), in row order.
     acc_NW:    the slots' accumulated weight gradients [N, W'] (allocated by the first backward,
                or, lent, by the first forward; read it through accumulated()).
-    acc_fresh: bool [N]: rows of acc_NW no backward has written yet (allocated empty: a row's first
-               gradients are copied in, not added into zeros; accumulated() zeroes the rest).
+    acc_fresh: bool [N]: rows no backward has reached yet (None before the first backward; the
+               accumulator is allocated empty and accumulated() zeroes the rows still fresh).
+    acc_held:  row -> its first gradients (one per piece, None where none), held as autograd made
+               them instead of copied into acc_NW (as AccumulateGrad keeps a parameter's first
+               gradient): the row's next backward sums both into acc_NW in one pass, accumulated()
+               copies in those still held. acc_spec: (the pieces' numels, acc_NW's dtype).
     acc_lent:  whether acc_NW's rows are lent out as borrowed weights' `main_grad` (gradient
                accumulation fusion), which the experts' linears add into during their backward; it
                is then allocated zeroed, and one a backward still to come may add into (in_flight)
@@ -156,6 +160,8 @@ class Window:
     fetches: list = field(default_factory=list)
     acc_NW: Optional[torch.Tensor] = None
     acc_fresh: Optional[np.ndarray] = None
+    acc_held: dict = field(default_factory=dict)
+    acc_spec: Optional[tuple] = None
     acc_lent: bool = False
     acc_stale: list = field(default_factory=list)
     pending: bool = False
@@ -176,6 +182,8 @@ class Window:
                 old.zero_()
                 self.acc_stale.append(old)
             self.acc_fresh = np.concatenate([self.acc_fresh, np.zeros(n, dtype=bool)])
+        elif self.acc_fresh is not None and n:  # gradients held, nothing allocated yet
+            self.acc_fresh = np.concatenate([self.acc_fresh, np.ones(n, dtype=bool)])
 
     def open_acc(self, W: int, dtype: torch.dtype, lent: bool = False) -> None:
         """Allocate acc_NW for every row in `dtype`: empty (the padding past the W real columns
@@ -186,7 +194,8 @@ class Window:
         else:
             self.acc_NW = self.weights_NW.new_empty(shape, dtype=dtype)
             self.acc_NW[:, W:].zero_()
-        self.acc_fresh = np.full(self.n_rows, not lent)
+        if lent or self.acc_fresh is None:  # else: the rows backward has reached are known already
+            self.acc_fresh = np.full(self.n_rows, not lent)
         self.acc_lent = lent
 
     def returned(self) -> None:
@@ -198,6 +207,7 @@ class Window:
                 t.zero_()
         else:
             self.acc_NW, self.acc_stale, self.acc_lent = None, [], False
+            self.acc_fresh, self.acc_held = None, {}
         self.pending = False
 
     def accumulated(self) -> Optional[torch.Tensor]:
@@ -206,10 +216,37 @@ class Window:
         for t in self.acc_stale:
             self.acc_NW[:t.shape[0]].add_(t)
             t.zero_()
+        if self.acc_held:
+            numels, dtype = self.acc_spec
+            if self.acc_NW is None:
+                self.open_acc(sum(numels), dtype)
+            for row, grads in self.acc_held.items():
+                self.write_row(row, numels, grads)
+            self.acc_held = {}
         if self.acc_NW is not None and self.acc_fresh.any():
             self.acc_NW[torch.from_numpy(np.flatnonzero(self.acc_fresh)).to(self.acc_NW.device)] = 0
             self.acc_fresh[:] = False
         return self.acc_NW
+
+    def write_row(self, row: int, numels: list, first: tuple, then: tuple | None = None) -> None:
+        """acc_NW's row `row` := its pieces' gradients `first` (+ `then`, a later backward's, summed
+        in one pass where the dtypes allow: the same bits as a copy, then an add); a piece without
+        any is zeroed."""
+        then = then if then is not None else (None,) * len(first)
+        W = sum(numels)
+        for g0, g1, piece in zip(first, then, torch.split(self.acc_NW[row, :W], numels)):
+            if g0 is None:
+                g0, g1 = g1, None
+            if g0 is None:
+                piece.zero_()
+                continue
+            dst = piece.view(g0.shape)
+            if g1 is not None and g0.dtype == g1.dtype == dst.dtype:
+                torch.add(g0, g1, out=dst)
+            else:
+                dst.copy_(g0)
+                if g1 is not None:
+                    dst.add_(g1)
 
     @property
     def n_rows(self) -> int:
@@ -338,21 +375,25 @@ class SlotRow(torch.autograd.Function):
     def backward(ctx, *grads):
         window, store, i = ctx.window, ctx.store, ctx.row
         if any(g is not None for g in grads):
-            W = sum(store.numels)
-            if window.acc_NW is None:  # every row of the window, those of parts still arriving too
-                # in the dtype the framework accumulates the sources' gradients in (Megatron DDP's
-                # fp32 main_grad under bf16 weights), as the stock experts' gradients accumulate
-                window.open_acc(W, store.acc_dtype)
-            fresh = window.acc_fresh[i]  # the row's first gradients: written, not added into zeros
+            if window.acc_fresh is None:  # the window's first backward
+                # the accumulator in the dtype the framework accumulates the sources' gradients in
+                # (Megatron DDP's fp32 main_grad under bf16 weights), as the stock experts' accumulate
+                window.acc_fresh = np.ones(window.n_rows, dtype=bool)
+                window.acc_spec = (list(store.numels), store.acc_dtype)
+            fresh = window.acc_fresh[i]
             window.acc_fresh[i] = False
-            for g, piece in zip(grads, torch.split(window.acc_NW[i, :W], store.numels)):
-                if g is None:
-                    if fresh:
-                        piece.zero_()
-                elif fresh:
-                    piece.view(g.shape).copy_(g)
+            if fresh and not window.acc_lent:  # held, not copied (Window.acc_held)
+                window.acc_held[i] = grads
+            else:
+                held = window.acc_held.pop(i, None)
+                if window.acc_NW is None:  # every row of the window, those of parts still arriving too
+                    window.open_acc(sum(store.numels), window.acc_spec[1])
+                if held is not None:
+                    window.write_row(i, store.numels, held, grads)
                 else:
-                    piece.view(g.shape).add_(g)
+                    for g, piece in zip(grads, torch.split(window.acc_NW[i, :sum(store.numels)], store.numels)):
+                        if g is not None:
+                            piece.view(g.shape).add_(g)
         return None, None, None, torch.zeros(0, device=ctx.link_device)
 
 
