@@ -1,7 +1,7 @@
 """Spawned-rank harness for dispatcher tests: stock Megatron-Core MoELayers on gloo (CPU).
 
 `spawn(fn, world, *args)` runs fn(rank, world, *args) in `world` processes with torch.distributed
-(gloo) and Megatron's parallel state initialized (EP = world); a failure on any rank fails the call.
+(gloo) and Megatron's parallel state initialized (EP = world unless `ep` says otherwise); a failure on any rank fails the call.
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from megatron_rails.runtime.comm.base import leave
 TIMEOUT = timedelta(minutes=5)
 
 
-def _entry(rank, world, store, fn, args, errq, megatron=True):
+def _entry(rank, world, store, fn, args, errq, megatron=True, ep=None):
     torch.set_num_threads(1)
     try:
         # rendezvous through a file: no port picked in advance that another process could take
@@ -34,7 +34,7 @@ def _entry(rank, world, store, fn, args, errq, megatron=True):
             cpu_shims.apply()
             from megatron.core import parallel_state as ps
 
-            ps.initialize_model_parallel(expert_model_parallel_size=world,
+            ps.initialize_model_parallel(expert_model_parallel_size=ep or world,
                                          distributed_timeout_minutes=int(TIMEOUT.total_seconds() // 60))
         fn(rank, world, *args)
     except BaseException:
@@ -44,13 +44,14 @@ def _entry(rank, world, store, fn, args, errq, megatron=True):
     leave(0)
 
 
-def spawn(fn, world: int, *args, megatron: bool = True) -> None:
-    """megatron=False: plain gloo ranks (no Megatron import, no parallel state) for comm-only tests."""
+def spawn(fn, world: int, *args, megatron: bool = True, ep: int | None = None) -> None:
+    """megatron=False: plain gloo ranks (no Megatron import, no parallel state) for comm-only tests.
+    ep: the expert-parallel size (default world); world / ep expert-data-parallel replicas."""
     ctx = mp.get_context("spawn")
     errq = ctx.SimpleQueue()
     try:
         with tempfile.TemporaryDirectory(prefix="rails-spawn-") as tmp:
-            mp.start_processes(_entry, args=(world, os.path.join(tmp, "store"), fn, args, errq, megatron),
+            mp.start_processes(_entry, args=(world, os.path.join(tmp, "store"), fn, args, errq, megatron, ep),
                                nprocs=world, join=True, start_method="spawn")
     except mp.ProcessExitedException as err:
         msgs = []
