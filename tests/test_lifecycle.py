@@ -194,10 +194,14 @@ def test_slot_gradient_rows_no_backward_reached_come_back_zero():
     assert torch.equal(got, want)
 
 
-def test_held_first_gradients_survive_growth_and_sum_exactly():
+@pytest.mark.parametrize("ranks", [0, 2])
+def test_held_first_gradients_survive_growth_and_sum_exactly(ranks):
     """A row's first gradients are held, not copied, until its next backward sums both into the
     accumulator in one pass. Growing the window in between (a new part, nothing allocated yet)
-    keeps them; the result equals a dense sum: rows reached once, twice, three times, never."""
+    keeps them, as growing it after the accumulator exists keeps that; the result equals a dense
+    sum: rows reached once, twice, three times, never.
+    ranks = 2: the rank-major layout FSEP's return sends ([D, N, W'/D]; the second piece spans
+    both shards, the padding column stays zero)."""
     from megatron_rails.runtime import residency
     from megatron_rails.runtime.comm.base import Pending
     from megatron_rails.runtime.residency import Window, resident_anchor, resident_row
@@ -207,31 +211,38 @@ def test_held_first_gradients_survive_growth_and_sum_exactly():
         acc_dtype = torch.float32
 
     store = Store()
-    w = Window(placement=None, key=(0,), moved=True, weights_NW=torch.ones(2, 5))
+    w = Window(placement=None, key=(0,), moved=True, weights_NW=torch.ones(2, 6), acc_ranks=ranks)
     w.slots_N = np.arange(2)
     gen = torch.Generator().manual_seed(0)
-    want = torch.zeros(3, 5)
+    want = torch.zeros(4, 6)
 
     def backward(row):
         link = torch.zeros(0, requires_grad=True)
         resident_anchor(w, store, link)
         pieces = resident_row(w, store, row, link)
         g = torch.randn(5, generator=gen)
-        want[row] += g
+        want[row, :5] += g
         torch.autograd.backward(pieces, [g[:2], g[2:]])
 
     try:
         backward(0)
         assert w.acc_NW is None and list(w.acc_held) == [0], "the first gradients were not held"
-        w.add_part(Pending.done(torch.ones(1, 5)), np.array([2]), {})  # grown: a third row
+        w.add_part(Pending.done(torch.ones(1, 6)), np.array([2]), {})  # grown: a third row
         w.weights()
         backward(0)  # held + these, in one pass
+        w.add_part(Pending.done(torch.ones(1, 6)), np.array([3]), {})  # grown again, the accumulator too
+        w.weights()
         backward(2)
+        backward(3)
         backward(0)
+        backward(3)
         acc = w.accumulated()
-        assert acc.shape == (3, 5) and not w.acc_held
+        assert not w.acc_held
+        if ranks:
+            assert acc.shape == (ranks, 4, 3)
+            acc = acc.permute(1, 0, 2).reshape(4, 6)  # row-major, for the comparison
         torch.testing.assert_close(acc, want, rtol=0, atol=1e-6)
-        assert torch.equal(acc[1], torch.zeros(5)), "a row no backward reached is not zero"
+        assert torch.equal(acc[1], torch.zeros(6)), "a row no backward reached is not zero"
     finally:
         residency.settled(store)
 

@@ -507,7 +507,12 @@ class ShardedExpertStore(ExpertStore):
         """Start materializing every slot of `placement` from every rank's shards, once (collective;
         in the background, as ExpertStore.open_window)."""
         self.release_stock()  # memory a checkpoint or a framework's cast gave them back
-        return super().open_window(placement, comm)
+        window = super().open_window(placement, comm)
+        # the slots' gradients accumulate in the order the return sends them (rank-major), unless
+        # lent to the experts' linears as main_grad (gradient accumulation fusion), which needs
+        # every parameter's piece in one piece
+        window.acc_ranks = 0 if self.kind.fused_wgrad else self.num_ranks
+        return window
 
     def _fetch(self, p: Placement, which_R: np.ndarray, comm) -> tuple:
         """Start gathering the slots of `p` among which_R from every rank's shards: (Pending of this
@@ -534,11 +539,16 @@ class ShardedExpertStore(ExpertStore):
     def _return_grads(self, window: Window) -> torch.Tensor:
         """Every slot's accumulated gradient, cut into D shards, back to the shard holders, part by
         part: float [E, ceil(W/D)], this rank's shards' gradients."""
-        D, acc, start = self.num_ranks, self._acc(window), 0
+        D, acc, start = self.num_ranks, window.accumulated(), 0
         total = None
         for r, n in window.routes:
-            back = r["exchange"](_rank_major(acc[start:start + n], D), [r["n_mine"]] * D, r["n_send"],
-                                 np.ascontiguousarray(r["traffic_DD"].T))
+            if acc is None:  # no backward reached the window
+                send = self.shards.new_zeros((D * n, self.shard), dtype=self.acc_dtype)
+            elif window.acc_ranks:  # a view, but for a window grown by more parts
+                send = acc[:, start:start + n].reshape(D * n, self.shard)
+            else:
+                send = _rank_major(acc[start:start + n], D)
+            back = r["exchange"](send, [r["n_mine"]] * D, r["n_send"], np.ascontiguousarray(r["traffic_DD"].T))
             start += n
             grad = back.view(self.shards.shape) if r["idx"] is None else r["idx"].scatter(back)
             total = grad if total is None else total.add_(grad)

@@ -133,7 +133,10 @@ class Window:
     routes:    per part, in row order: (what the store needs to return its gradients, its rows).
     fetches:   the parts' fetches not waited for yet (comm Pendings), in row order.
     acc_NW:    the slots' accumulated weight gradients [N, W'] (allocated by the first backward,
-               or, lent, by the first forward; read it through accumulated()).
+               or, lent, by the first forward; read it through accumulated()); with acc_ranks = D
+               laid out [D, N, W'/D] instead: shard k of every row together, as FSEP's gradient
+               return sends them (no copy into that order at the return). Rows are read and
+               written through row_segments().
     acc_fresh: bool [N]: rows no backward has reached yet (None before the first backward; the
                accumulator is allocated empty and accumulated() zeroes the rows still fresh).
     acc_held:  row -> its first gradients (one per piece, None where none), held as autograd made
@@ -162,6 +165,7 @@ class Window:
     acc_fresh: Optional[np.ndarray] = None
     acc_held: dict = field(default_factory=dict)
     acc_spec: Optional[tuple] = None
+    acc_ranks: int = 0
     acc_lent: bool = False
     acc_stale: list = field(default_factory=list)
     pending: bool = False
@@ -177,7 +181,10 @@ class Window:
         self.fetches.append(fetch)
         if self.acc_NW is not None and n:
             old = self.acc_NW
-            self.acc_NW = torch.cat([old, old.new_zeros((n, old.shape[1]))])
+            rows = 1 if self.acc_ranks else 0
+            grown = list(old.shape)
+            grown[rows] = n
+            self.acc_NW = torch.cat([old, old.new_zeros(grown)], dim=rows)
             if self.acc_lent and self.in_flight:  # a backward to come adds into old: from zero, merged later
                 old.zero_()
                 self.acc_stale.append(old)
@@ -188,12 +195,15 @@ class Window:
     def open_acc(self, W: int, dtype: torch.dtype, lent: bool = False) -> None:
         """Allocate acc_NW for every row in `dtype`: empty (the padding past the W real columns
         zeroed), or, lent, zeroed throughout (see acc_lent)."""
-        shape = (self.n_rows, self.weights_NW.shape[1])
+        Wp, D = self.weights_NW.shape[1], self.acc_ranks
+        assert not (lent and D), "a lent accumulator's rows are the borrowed weights' main_grad: row-major"
+        shape = (D, self.n_rows, Wp // D) if D else (self.n_rows, Wp)
         if lent:
             self.acc_NW = self.weights_NW.new_zeros(shape, dtype=dtype)
         else:
             self.acc_NW = self.weights_NW.new_empty(shape, dtype=dtype)
-            self.acc_NW[:, W:].zero_()
+            for k, lo, hi, _ in self.row_segments(W, Wp):
+                (self.acc_NW[:, lo:hi] if k is None else self.acc_NW[k, :, lo:hi]).zero_()
         if lent or self.acc_fresh is None:  # else: the rows backward has reached are known already
             self.acc_fresh = np.full(self.n_rows, not lent)
         self.acc_lent = lent
@@ -224,29 +234,53 @@ class Window:
                 self.write_row(row, numels, grads)
             self.acc_held = {}
         if self.acc_NW is not None and self.acc_fresh.any():
-            self.acc_NW[torch.from_numpy(np.flatnonzero(self.acc_fresh)).to(self.acc_NW.device)] = 0
+            rows = torch.from_numpy(np.flatnonzero(self.acc_fresh)).to(self.acc_NW.device)
+            if self.acc_ranks:
+                self.acc_NW[:, rows] = 0
+            else:
+                self.acc_NW[rows] = 0
             self.acc_fresh[:] = False
         return self.acc_NW
 
-    def write_row(self, row: int, numels: list, first: tuple, then: tuple | None = None) -> None:
+    def row_segments(self, a: int, b: int):
+        """Where the flat columns [a, b) of a row lie in acc_NW: (k, lo, hi, offset) per contiguous
+        piece, acc_NW[row, lo:hi] (k None: row-major) or acc_NW[k, row, lo:hi] (rank-major),
+        holding columns a + offset onwards."""
+        if not self.acc_ranks:
+            yield None, a, b, 0
+            return
+        shard = self.weights_NW.shape[1] // self.acc_ranks
+        for k in range(a // shard, (b - 1) // shard + 1):
+            lo, hi = max(a, k * shard), min(b, (k + 1) * shard)
+            yield k, lo - k * shard, hi - k * shard, lo - a
+
+    def write_row(self, row: int, numels: list, first: tuple, then: tuple | None = None, add: bool = False) -> None:
         """acc_NW's row `row` := its pieces' gradients `first` (+ `then`, a later backward's, summed
-        in one pass where the dtypes allow: the same bits as a copy, then an add); a piece without
-        any is zeroed."""
+        in one pass where the dtypes allow: the same bits as a copy, then an add), or, add, += first;
+        a piece without any is zeroed (left as it is, add)."""
         then = then if then is not None else (None,) * len(first)
-        W = sum(numels)
-        for g0, g1, piece in zip(first, then, torch.split(self.acc_NW[row, :W], numels)):
+        end = 0
+        for n, g0, g1 in zip(numels, first, then):
+            a, b = end, end + n  # the piece's columns
+            end = b
             if g0 is None:
                 g0, g1 = g1, None
-            if g0 is None:
-                piece.zero_()
-                continue
-            dst = piece.view(g0.shape)
-            if g1 is not None and g0.dtype == g1.dtype == dst.dtype:
-                torch.add(g0, g1, out=dst)
-            else:
-                dst.copy_(g0)
-                if g1 is not None:
-                    dst.add_(g1)
+            flat0 = g0.reshape(-1) if g0 is not None else None
+            flat1 = g1.reshape(-1) if g1 is not None else None
+            for k, lo, hi, off in self.row_segments(a, b):
+                dst = self.acc_NW[row, lo:hi] if k is None else self.acc_NW[k, row, lo:hi]
+                src0 = flat0[off:off + hi - lo] if flat0 is not None else None
+                if src0 is None:
+                    if not add:
+                        dst.zero_()
+                elif add:
+                    dst.add_(src0)
+                elif flat1 is not None and src0.dtype == flat1.dtype == dst.dtype:
+                    torch.add(src0, flat1[off:off + hi - lo], out=dst)
+                else:
+                    dst.copy_(src0)
+                    if flat1 is not None:
+                        dst.add_(flat1[off:off + hi - lo])
 
     @property
     def n_rows(self) -> int:
@@ -391,9 +425,7 @@ class SlotRow(torch.autograd.Function):
                 if held is not None:
                     window.write_row(i, store.numels, held, grads)
                 else:
-                    for g, piece in zip(grads, torch.split(window.acc_NW[i, :sum(store.numels)], store.numels)):
-                        if g is not None:
-                            piece.view(g.shape).add_(g)
+                    window.write_row(i, store.numels, grads, add=True)
         return None, None, None, torch.zeros(0, device=ctx.link_device)
 
 
