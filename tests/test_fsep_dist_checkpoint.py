@@ -39,9 +39,14 @@ def _metadata(sharding):
 
 
 def _state(ddp, opt, sharding, loading):
-    """{model, optimizer} as Megatron-LM's generate_state_dict makes them."""
+    """{model, optimizer} as Megatron-LM's generate_state_dict makes them. The model's keys are
+    renamed in place after the modules made them, as TransformerBlock renames its layers'
+    ('decoder.layers.<local index>.' -> 'decoder.layers.'), before the optimizer reads them."""
+    from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
+
     meta = _metadata(sharding)
     model = ddp.module.sharded_state_dict(metadata=meta)
+    replace_prefix_for_sharding(model, "layer.", "decoder.layers.")
     return {"model": model, "optimizer": opt.sharded_state_dict(model, is_loading=loading, metadata=meta)}
 
 

@@ -181,7 +181,15 @@ def _ckpt_worker(rank, world, variant):
     E, H, T = 8, 16, 12
     torch.manual_seed(4321)
     stock = _build(variant, _config(world, "allgather", variant, E, H))
-    rails = _build_rails(variant, world, "fsep", E, H)
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        rails = _build_rails(variant, world, "fsep", E, H)
+    # biases in the shards: weight decay would decay them, which stock does not (said once)
+    biased = VARIANTS[variant][1].get("add_bias_linear", False)
+    said = [w for w in caught if "expert biases" in str(w.message)]
+    assert len(said) == int(biased), (variant, [str(w.message) for w in caught])
     rails.load_state_dict(stock.state_dict())
     gen = torch.Generator().manual_seed(7 + rank)
     skew = torch.linspace(0, 3, H)  # inputs that favour a few experts

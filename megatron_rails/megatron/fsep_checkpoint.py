@@ -20,7 +20,9 @@ Building and merging the factory exchange whole experts over the EP group (a col
 EP rank of a pipeline stage saves and loads the same entries in the same order, as Megatron's
 checkpointing does. Optimizer state in the distributed optimizer's default `dp_reshardable`
 format (its buffers, by data-parallel rank) needs no entry and loads at the same parallel sizes
-only, as for stock EP.
+and policy only, as for stock EP (not checked here: another policy's buffers may even have the
+same sizes). Saving builds each optimizer state's stock-layout copy on the parameters' device,
+all before writing: transient memory of one stock copy of the local experts per state tensor.
 """
 from __future__ import annotations
 
@@ -61,7 +63,12 @@ def wrap_sharded_state_dict(store: ShardedExpertStore) -> None:
             raise NotImplementedError(f"fsep: {type(experts).__name__}.sharded_state_dict() has no entry for "
                                       f"{sorted(missing)}: its optimizer state cannot be saved in the stock layout")
         key = prefix + store.PARAM
-        out[key] = ShardedTensorFactory(key, store.shards, _build_fn(store, key, stock), _merge_fn(store, stock))
+        factory = ShardedTensorFactory(key, store.shards, None, _merge_fn(store, stock))
+        # the key as it is when the factory is built: Megatron renames entries in place after this
+        # call (TransformerBlock: 'decoder.layers.<local index>.' -> 'decoder.layers.' or the global
+        # index), and an optimizer's copy prefixes the renamed key
+        factory.build_fn = _build_fn(store, lambda: factory.key, stock)
+        out[key] = factory
         return out
 
     experts.sharded_state_dict = sharded_state_dict
@@ -80,10 +87,10 @@ def _as_entry(t: torch.Tensor, entry, param: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _build_fn(store: ShardedExpertStore, own_key: str, stock: list):
+def _build_fn(store: ShardedExpertStore, model_key, stock: list):
     """The factory's build: the model's instance (data is the shards) -> nothing; an optimizer's
-    (data [E, ceil(W/D)] its state of the shards, key prefixed) -> {i: stock entry i over that state
-    in the stock layout, its key prefixed alike}."""
+    (data [E, ceil(W/D)] its state of the shards, key: model_key() prefixed) -> {i: stock entry i
+    over that state in the stock layout, its key prefixed alike}."""
 
     @torch.no_grad()
     def build(key: str, data: torch.Tensor, replica_id, flattened_range):
@@ -92,8 +99,10 @@ def _build_fn(store: ShardedExpertStore, own_key: str, stock: list):
                                       "(the distributed optimizer's fully_sharded_model_space format)")
         if data is store.shards:  # not even a key: a stock model loading the checkpoint would not expect one
             return LocalNonpersistentObject(None)
+        own_key = model_key()
         if not key.endswith(own_key):
-            raise ValueError(f"fsep: an entry of the shards under an unexpected key {key!r}")
+            raise ValueError(f"fsep: an entry of the shards under {key!r}, which does not end in the model's "
+                             f"{own_key!r}")
         prefix = key[:len(key) - len(own_key)]
         tensors = store.stock_layout(data)
         built = {}
@@ -124,7 +133,9 @@ def _merge_fn(store: ShardedExpertStore, stock: list):
             if isinstance(entry, ShardedTensorFactory):
                 got = entry.merge_fn(got)
             param = store.params[name]
-            full = tensors.setdefault(name, torch.zeros(param.shape, dtype=got.dtype, device=param.device))
+            if name not in tensors:
+                tensors[name] = torch.zeros(param.shape, dtype=got.dtype, device=param.device)
+            full = tensors[name]
             _as_entry(full, entry, param).copy_(got)
         return store.shard_layout(tensors)
 

@@ -18,6 +18,7 @@ size, E experts, D EP ranks; a shard row holds ceil(W/D) of an expert's paramete
 """
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 
 import numpy as np
@@ -342,6 +343,9 @@ class ShardedExpertStore(ExpertStore):
         # expert-data-parallel group only (Megatron DDP reads `allreduce`)
         shards.allreduce = not num_ranks > 1
         experts.register_parameter(self.PARAM, shards)
+        biases = [n for n, shape in zip(self.names, self.shapes) if len(shape) == 1]
+        if biases and not _warned_biases:
+            _warn_biases(biases)
         for p in self.params.values():
             p.requires_grad_(False)
         self.load_from_owners()
@@ -630,6 +634,20 @@ class _ShardRows:
         if self.inverse is not None:
             return grad_N.index_select(0, self.inverse)
         return grad_N.new_zeros((self.E,) + tuple(grad_N.shape[1:])).index_add_(0, self.rows, grad_N)
+
+
+_warned_biases = False
+
+
+def _warn_biases(names: list) -> None:
+    """Once per process: expert biases share fsep's one shard parameter with the weights."""
+    global _warned_biases
+    _warned_biases = True
+    warnings.warn(f"megatron-rails fsep: the expert biases ({', '.join(names)}) are sharded together with the "
+                  "weights in one parameter, so an optimizer's weight decay decays them too (stock Megatron "
+                  "exempts biases), and optimizer checkpoints do not load across policies (their parameter "
+                  "groups differ); train with weight decay 0, expert modules without biases, or another "
+                  "policy", RuntimeWarning, stacklevel=3)
 
 
 def _is_placeholder(p: torch.Tensor) -> bool:
