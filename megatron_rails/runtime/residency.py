@@ -230,9 +230,10 @@ class Window:
             numels, dtype = self.acc_spec
             if self.acc_NW is None:
                 self.open_acc(sum(numels), dtype)
-            for row, grads in self.acc_held.items():
+            while self.acc_held:  # each row's held gradients freed as soon as written
+                row, grads = self.acc_held.popitem()
                 self.write_row(row, numels, grads)
-            self.acc_held = {}
+                del grads
         if self.acc_NW is not None and self.acc_fresh.any():
             rows = torch.from_numpy(np.flatnonzero(self.acc_fresh)).to(self.acc_NW.device)
             if self.acc_ranks:
