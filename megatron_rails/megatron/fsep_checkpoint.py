@@ -21,8 +21,8 @@ EP rank of a pipeline stage saves and loads the same entries in the same order, 
 checkpointing does. Optimizer state in the distributed optimizer's default `dp_reshardable`
 format (its buffers, by data-parallel rank) needs no entry and loads at the same parallel sizes
 and policy only, as for stock EP (not checked here: another policy's buffers may even have the
-same sizes). Saving builds each optimizer state's stock-layout copy on the parameters' device,
-all before writing: transient memory of one stock copy of the local experts per state tensor.
+same sizes). Saving builds each optimizer state's stock-layout copy where that state lives, all
+before writing: transient memory of one stock copy of the local experts per state tensor.
 """
 from __future__ import annotations
 
@@ -134,7 +134,7 @@ def _merge_fn(store: ShardedExpertStore, stock: list):
                 got = entry.merge_fn(got)
             param = store.params[name]
             if name not in tensors:
-                tensors[name] = torch.zeros(param.shape, dtype=got.dtype, device=param.device)
+                tensors[name] = torch.zeros(param.shape, dtype=got.dtype, device=got.device)
             full = tensors[name]
             _as_entry(full, entry, param).copy_(got)
         return store.shard_layout(tensors)

@@ -437,10 +437,12 @@ class ShardedExpertStore(ExpertStore):
             for t, piece in zip(self._views(e, source), torch.split(vec, self.numels)):
                 t.copy_(piece.view_as(t))
 
-    def _stock_tensors(self, flats: list[torch.Tensor], dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    def _stock_tensors(self, flats: list[torch.Tensor], dtype: torch.dtype | None = None,
+                       device: torch.device | None = None) -> dict[str, torch.Tensor]:
         """Fresh tensors in the stock parameters' names and shapes holding `flats`, in the parameters'
-        dtypes or `dtype`."""
-        out = {n: torch.zeros(p.shape, dtype=dtype or p.dtype, device=p.device) for n, p in self.params.items()}
+        dtypes and device or `dtype` / `device`."""
+        out = {n: torch.zeros(p.shape, dtype=dtype or p.dtype, device=device or p.device)
+               for n, p in self.params.items()}
         self._scatter(flats, out.__getitem__)
         return out
 
@@ -448,8 +450,8 @@ class ShardedExpertStore(ExpertStore):
     def stock_layout(self, src_EX: torch.Tensor) -> dict[str, torch.Tensor]:
         """The stock parameters' names and shapes holding what `src_EX` [E, ceil(W/D)] (the shards,
         their gradient, an optimizer's state of them) holds for this rank's owned experts, in
-        src_EX's dtype (collective)."""
-        return self._stock_tensors(self.gather_to_owners(src_EX), src_EX.dtype)
+        src_EX's dtype and on its device (optimizer state kept on the host stays there; collective)."""
+        return self._stock_tensors(self.gather_to_owners(src_EX), src_EX.dtype, src_EX.device)
 
     @torch.no_grad()
     def shard_layout(self, stock: Mapping[str, torch.Tensor]) -> torch.Tensor:
