@@ -364,8 +364,10 @@ class ShardedExpertStore(ExpertStore):
     def _owned(self) -> list[int]:
         return np.flatnonzero(self.owner_E == self.rank).tolist()
 
-    def _owned_flats(self) -> list[torch.Tensor]:
-        return [torch.cat([t.detach().reshape(-1) for t in self._views(e)]) for e in self._owned()]
+    def _owned_flats(self, source=None) -> list[torch.Tensor]:
+        """Flat [W] vectors of this rank's owned experts, from the stock parameters or from the
+        same-named tensors source(name) returns."""
+        return [torch.cat([t.detach().reshape(-1) for t in self._views(e, source)]) for e in self._owned()]
 
     # -- the stock parameters: placeholders, real only around checkpoints ---------------------------
     def stock_released(self) -> bool:
@@ -457,8 +459,7 @@ class ShardedExpertStore(ExpertStore):
     def shard_layout(self, stock: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """The inverse of stock_layout: tensors in the stock parameters' names and shapes -> this
         rank's [E, ceil(W/D)] shards of them, in their dtype (collective)."""
-        flats = [torch.cat([t.reshape(-1) for t in self._views(e, stock.__getitem__)]) for e in self._owned()]
-        return self._shard(flats)
+        return self._shard(self._owned_flats(stock.__getitem__))
 
     def stock_for_checkpoint(self) -> None:
         """Give the stock parameters real memory holding the shards' values, for a framework that

@@ -181,10 +181,9 @@ class Window:
         self.fetches.append(fetch)
         if self.acc_NW is not None and n:
             old = self.acc_NW
-            rows = 1 if self.acc_ranks else 0
             grown = list(old.shape)
-            grown[rows] = n
-            self.acc_NW = torch.cat([old, old.new_zeros(grown)], dim=rows)
+            grown[self.acc_row_dim] = n
+            self.acc_NW = torch.cat([old, old.new_zeros(grown)], dim=self.acc_row_dim)
             if self.acc_lent and self.in_flight:  # a backward to come adds into old: from zero, merged later
                 old.zero_()
                 self.acc_stale.append(old)
@@ -236,12 +235,14 @@ class Window:
                 del grads
         if self.acc_NW is not None and self.acc_fresh.any():
             rows = torch.from_numpy(np.flatnonzero(self.acc_fresh)).to(self.acc_NW.device)
-            if self.acc_ranks:
-                self.acc_NW[:, rows] = 0
-            else:
-                self.acc_NW[rows] = 0
+            self.acc_NW.index_fill_(self.acc_row_dim, rows, 0)
             self.acc_fresh[:] = False
         return self.acc_NW
+
+    @property
+    def acc_row_dim(self) -> int:
+        """acc_NW's axis of rows: 0 row-major, 1 rank-major."""
+        return 1 if self.acc_ranks else 0
 
     def row_segments(self, a: int, b: int):
         """Where the flat columns [a, b) of a row lie in acc_NW: (k, lo, hi, offset) per contiguous
