@@ -46,7 +46,13 @@ SHAPE = dict(layers=2, hidden=256, ffn=1024, experts=8, topk=2, tokens=512)
 QUICK_SHAPE = dict(SHAPE, tokens=128)
 POLICIES = ["none", "eplb", "ultraep", "lp", "fsep", "default"]  # default: the shipped default config
 SKEWS = {"uniform": 0.0, "zipf:1.2": 1.2, "zipf:2.0": 2.0, "balanced": None}
-WARMUP = 1  # untimed rounds
+# untimed rounds. glibc keeps fsep's large per-step buffers (window weights, accumulator, gradient
+# return: one block of a layer's slots each) from reusing the freed blocks of the step before (an
+# aligned request needs a little more than the block freed), so the heap grows until freed blocks
+# have merged: counted with getrusage in the full benchmark, fsep and default took 3,000-9,000 minor
+# page faults per step in their first three rounds and under 10 from the fourth on (every other
+# policy under 30 from the second); the heap then stays put. A long training run never sees it.
+WARMUP = 3
 LR = 1e-3
 PLACEHOLDER_BYTES = 8  # fsep's freed stock parameters share one element per layer (at most fp64)
 
