@@ -443,6 +443,60 @@ def test_a_window_fetched_in_inference_mode_does_not_serve_training():
     spawn(_inference_then_training_worker, 2)
 
 
+def _midstep_eval_worker(rank, world):
+    from megatron_rails import no_sync
+
+    w = torch.linspace(-1, 1, T * H).view(T, 1, H)
+    evals = (("inference, eval mode", torch.inference_mode, False),
+             ("inference, train mode", torch.inference_mode, True),
+             ("no_grad, eval mode", torch.no_grad, False))
+    for policy in ("ultraep", "lp", "fsep"):
+        stock, rails, u = _layers(world, policy, grow=True)
+        store = rails.token_dispatcher.store
+        opts = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in (stock, rails)]
+        for step in range(2):
+            for micro in range(MICRO):
+                x = _batch(rank, step, micro, u)
+                losses = []
+                for layer in (stock, rails):
+                    with no_sync() if (layer is rails and micro < MICRO - 1) else _null():
+                        loss = (layer(x.clone().requires_grad_(True))[0] * w).sum()
+                        loss.backward()
+                    losses.append(loss.item())
+                where = f"{policy}, step {step}, microbatch {micro}, rank {rank}"
+                assert abs(losses[1] - losses[0]) <= 1e-5 * max(1.0, abs(losses[0])), f"{where}: {losses}"
+                if micro == MICRO - 1:
+                    continue
+                # evaluation between training microbatches, on counts that would grow the window
+                window, digest = store.window, store.window.placement.digest()
+                for k, (name, mode, train_mode) in enumerate(evals):
+                    xe = _batch(rank, 50 + step, 3 + micro + k, u)
+                    for layer in (stock, rails):
+                        layer.train(train_mode)
+                    with mode():
+                        got, want = rails(xe)[0].clone(), stock(xe)[0].clone()
+                    for layer in (stock, rails):
+                        layer.train()
+                    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=lambda m: f"{where}, {name}: {m}")
+                    assert store.window is window and window.placement.digest() == digest, \
+                        f"{where}: evaluation ({name}) changed the window its gradients are owed to"
+            for opt in opts:
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            got, ref = rails.state_dict(), stock.state_dict()
+            for k in ref:
+                torch.testing.assert_close(got[k], ref[k], rtol=1e-5, atol=1e-5,
+                                           msg=lambda m: f"{policy}, after step {step}, {k}: {m}")
+
+
+def test_evaluation_mid_step_leaves_the_training_window_alone():
+    """Evaluation forwards between a step's microbatches (inference mode with the layer in eval or
+    train mode, or no_grad) compute like stock and neither grow nor replace the window the step's
+    gradients are owed to, even where a training forward would grow it. Growing it under inference
+    mode made its weights inference tensors: the next training forward raised."""
+    spawn(_midstep_eval_worker, 2)
+
+
 def _eval_worker(rank, world):
     states = []
     for with_eval in (False, True):

@@ -178,7 +178,9 @@ class LayerRuntime:
         counts_DE, (lo, hi) = gathered[:, :E], gathered[self.rank, E:]
         t1 = time.perf_counter()
         replay = is_replay()
-        trains = training if training is not None else torch.is_grad_enabled()
+        # inference mode never runs a backward (and its tensors cannot join a training window)
+        trains = not torch.is_inference_mode_enabled() and (
+            training if training is not None else torch.is_grad_enabled())
         self.store.refresh()
         plan, opened = self._plan(counts_DE, replay, trains)
         t2 = time.perf_counter()
@@ -238,7 +240,8 @@ class LayerRuntime:
         elif window is not None and window.locked and self.state is None:
             # the placement stays for this step and a stateless planner has nothing to learn from
             # these counts: route them on it; plan afresh only to look for replicas worth adding
-            plan, opened = self._grow(route_on(resident, counts_DE, self.planner.name), counts_DE)
+            on = route_on(resident, counts_DE, self.planner.name)
+            plan, opened = self._grow(on, counts_DE) if trains else (on, False)
         else:
             if trains:
                 fresh, self.state = self.planner.plan(counts_DE, self.state)
@@ -246,7 +249,7 @@ class LayerRuntime:
                 fresh, _ = self.planner.plan(counts_DE, copy.deepcopy(self.state))
             locked = window is not None and window.locked
             plan, opened = choose(fresh, resident, counts_DE, locked=locked)
-            if locked:
+            if locked and trains:  # evaluation counts never add replicas to a training window
                 plan, opened = self._grow(plan, counts_DE, fresh)
         if self.policy.check_plan:
             self._check_plan(plan)
