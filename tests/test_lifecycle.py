@@ -497,6 +497,40 @@ def test_evaluation_mid_step_leaves_the_training_window_alone():
     spawn(_midstep_eval_worker, 2)
 
 
+def _eval_mode_training_worker(rank, world):
+    from megatron_rails import no_sync
+
+    w = torch.linspace(-1, 1, T * H).view(T, 1, H)
+    for policy in ("ultraep", "lp", "fsep"):
+        stock, rails, u = _layers(world, policy)
+        for layer in (stock, rails):
+            layer.eval()  # training without dropout: autograd records, the modules are in eval mode
+        opts = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in (stock, rails)]
+        for step in range(2):
+            for layer in (stock, rails):
+                with no_sync() if layer is rails else _null():
+                    # two microbatches in flight (a pipeline schedule's warm-up), then their backwards
+                    losses = [(layer(_batch(rank, step, m, u).requires_grad_(True))[0] * w).sum() for m in range(2)]
+                    for loss in losses:
+                        loss.backward()
+                (layer(_batch(rank, step, 2, u).requires_grad_(True))[0] * w).sum().backward()
+            for opt in opts:
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            got, ref = rails.state_dict(), stock.state_dict()
+            for k in ref:
+                torch.testing.assert_close(got[k], ref[k], rtol=1e-5, atol=1e-5,
+                                           msg=lambda m: f"{policy}, after step {step}, {k}, rank {rank}: {m}")
+
+
+def test_training_in_eval_mode_matches_stock():
+    """A forward autograd records owes its slot gradients whatever the module's mode: with two
+    microbatches in flight in eval mode the second one, not counted as training, replaced the
+    window the first one's gradients were owed to, and they were lost (ultraep's weights differed
+    from stock's after the second step)."""
+    spawn(_eval_mode_training_worker, 2)
+
+
 def _eval_worker(rank, world):
     states = []
     for with_eval in (False, True):

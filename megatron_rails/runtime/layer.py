@@ -167,9 +167,10 @@ class LayerRuntime:
     def dispatch(self, x_TH: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor,
                  training: Optional[bool] = None):
         """x_TH [T, H]; routing_map bool [T, E]; probs float [T, E] -> (x_P [P, H], probs_P [P], the
-        step's metric record or None for a replay). training: whether this forward trains (its
-        gradients will be owed; default: autograd is recording), which pins the resident placement
-        until the optimizer step."""
+        step's metric record or None for a replay). A forward trains when autograd records, or when
+        `training` says so without recording (reentrant activation recompute's first pass), never
+        under inference mode; a training forward pins the resident placement until the optimizer
+        step."""
         t0 = time.perf_counter()
         E = routing_map.shape[1]
         # every rank's counts, and this rank's fewest / most pairs per token with them: one sync
@@ -178,9 +179,10 @@ class LayerRuntime:
         counts_DE, (lo, hi) = gathered[:, :E], gathered[self.rank, E:]
         t1 = time.perf_counter()
         replay = is_replay()
-        # inference mode never runs a backward (and its tensors cannot join a training window)
-        trains = not torch.is_inference_mode_enabled() and (
-            training if training is not None else torch.is_grad_enabled())
+        # a forward autograd records owes gradients whatever the module's mode (training in eval
+        # mode, without dropout); inference mode never runs a backward (and its tensors cannot join
+        # a training window)
+        trains = not torch.is_inference_mode_enabled() and (torch.is_grad_enabled() or bool(training))
         self.store.refresh()
         plan, opened = self._plan(counts_DE, replay, trains)
         t2 = time.perf_counter()
