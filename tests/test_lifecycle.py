@@ -443,6 +443,16 @@ def test_a_window_fetched_in_inference_mode_does_not_serve_training():
     spawn(_inference_then_training_worker, 2)
 
 
+def _step_matches_stock(opts, stock, rails, where: str) -> None:
+    """Every optimizer steps; then rails' parameters must equal stock's."""
+    for opt in opts:
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    got, ref = rails.state_dict(), stock.state_dict()
+    for k in ref:
+        torch.testing.assert_close(got[k], ref[k], rtol=1e-5, atol=1e-5, msg=lambda m: f"{where}, {k}: {m}")
+
+
 def _midstep_eval_worker(rank, world):
     from megatron_rails import no_sync
 
@@ -480,13 +490,7 @@ def _midstep_eval_worker(rank, world):
                     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=lambda m: f"{where}, {name}: {m}")
                     assert store.window is window and window.placement.digest() == digest, \
                         f"{where}: evaluation ({name}) changed the window its gradients are owed to"
-            for opt in opts:
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-            got, ref = rails.state_dict(), stock.state_dict()
-            for k in ref:
-                torch.testing.assert_close(got[k], ref[k], rtol=1e-5, atol=1e-5,
-                                           msg=lambda m: f"{policy}, after step {step}, {k}: {m}")
+            _step_matches_stock(opts, stock, rails, f"{policy}, after step {step}, rank {rank}")
 
 
 def test_evaluation_mid_step_leaves_the_training_window_alone():
@@ -514,13 +518,7 @@ def _eval_mode_training_worker(rank, world):
                     for loss in losses:
                         loss.backward()
                 (layer(_batch(rank, step, 2, u).requires_grad_(True))[0] * w).sum().backward()
-            for opt in opts:
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-            got, ref = rails.state_dict(), stock.state_dict()
-            for k in ref:
-                torch.testing.assert_close(got[k], ref[k], rtol=1e-5, atol=1e-5,
-                                           msg=lambda m: f"{policy}, after step {step}, {k}, rank {rank}: {m}")
+            _step_matches_stock(opts, stock, rails, f"{policy}, after step {step}, rank {rank}")
 
 
 def test_training_in_eval_mode_matches_stock():
