@@ -8,7 +8,7 @@ import torch
 from megatron_rails.bench.local import bench_local
 from megatron_rails.core.policy import PolicyConfig
 from megatron_rails.runtime.local import (order_pairs, order_pairs_on_device, pairs_per_token_range, receive_order,
-                                          rows, rows_back, segment_order, sum_pairs)
+                                          rows, rows_back, segment_order, sum_pairs, token_rows)
 from megatron_rails.core.planners import make_planner
 
 POLICIES = ["none", "eplb", "ultraep", "lp", "fsep"]
@@ -117,6 +117,25 @@ def test_receive_order_groups_rows_by_slot(policy):
         assert (order is None) == already  # a permutation only where the rows need one
 
 
+@pytest.mark.parametrize("path", ["host", "device"])
+def test_send_order_brings_the_receive_order_along(path, monkeypatch):
+    """send_order(receive=True) carries receive_order's result, whichever path makes the send order."""
+    from megatron_rails.runtime.local import send_order
+
+    monkeypatch.setenv("MEGATRON_RAILS_SEND_ORDER", path)
+    rng = np.random.default_rng(13)
+    for policy in POLICIES:
+        for _ in range(8):
+            rmap, probs = _routing(rng, int(rng.integers(0, 30)), int(rng.integers(0, 3)))
+            me = int(rng.integers(D))
+            plan = _plan(rng, policy, rmap, me)
+            got = send_order(plan, me, rmap, probs, uniform=False, receive=True).receive
+            want = receive_order(plan, me, torch.device("cpu"))
+            for g, w in zip(got[:2], want[:2]):
+                assert (g is None and w is None) or torch.equal(g, w)
+            assert np.array_equal(got[2], want[2])
+
+
 def test_rows_with_inverse_backward_equals_advanced_indexing():
     """rows(x, order, inverse) differentiates by a gather; autograd's own x[order] is the reference."""
     rng = np.random.default_rng(3)
@@ -177,23 +196,107 @@ def test_collective_device_follows_the_backend(monkeypatch):
         assert comm.collective_device(None) == want
 
 
-def test_rows_back_against_concatenate_then_gather():
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_rows_back_against_concatenate_then_gather(dtype):
     """rows_back puts the slot-ordered parts back in received order, as cat + a gather by the
     inverse permutation would, and its backward gives every part (a zero-row one too) the gradient
-    the reference's autograd does."""
+    the reference's autograd does; rows whose bytes make 8-byte words (float32, bf16 at even widths)
+    are written as words, odd widths as themselves. Without an order, parts are concatenated, and a
+    lone part with rows is the result itself."""
     rng = np.random.default_rng(5)
-    for _ in range(30):
+    for it in range(40):
         sizes = [int(n) for n in rng.integers(0, 6, size=rng.integers(1, 5))]
+        if it % 4 == 0:  # one part holds every row, zero-row parts (anchors) beside it
+            sizes = [0] * len(sizes)
+            sizes[int(rng.integers(len(sizes)))] = int(rng.integers(1, 6))
+        H = [3, 4, 8][it % 3]
         Q = sum(sizes)
         order = torch.from_numpy(rng.permutation(Q))
         inverse = torch.empty_like(order)
         inverse[order] = torch.arange(Q)
-        parts = [torch.randn(n, 3, dtype=torch.float64, requires_grad=True) for n in sizes]
-        w = torch.randn(Q, 3, dtype=torch.float64)
-        ref = torch.cat(parts)[inverse]
-        got = rows_back(parts, order)
-        assert torch.equal(got, ref)
-        want = torch.autograd.grad((ref * w).sum(), parts)
-        have = torch.autograd.grad((got * w).sum(), parts)
-        assert all(torch.equal(a, b) for a, b in zip(have, want))
-        assert rows_back(parts, None).shape == (Q, 3)
+        parts = [torch.randn(n, H, dtype=torch.float64).to(dtype).requires_grad_() for n in sizes]
+        w = torch.randn(Q, H, dtype=torch.float64).to(dtype)
+        for got, ref in ((rows_back(parts, order), torch.cat(parts)[inverse]), (rows_back(parts, None), torch.cat(parts))):
+            assert torch.equal(got, ref)
+            want = torch.autograd.grad((ref * w).sum(), parts)
+            have = torch.autograd.grad((got * w).sum(), parts)
+            assert all(torch.equal(a, b) for a, b in zip(have, want))
+        if sum(1 for n in sizes if n) == 1:
+            lone = next(p for p in parts if p.shape[0])
+            assert rows_back(parts, None).data_ptr() == lone.data_ptr()  # nothing copied
+
+
+def _uniform_order(rng, policy, T, k):
+    rmap, probs = _routing(rng, T, k)
+    me = int(rng.integers(D))
+    return order_pairs(_plan(rng, policy, rmap, me), me, rmap, probs, uniform=True), rmap
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, E])
+def test_sum_pairs_and_token_rows_gradients_against_autograd_of_indexing(k):
+    """Where every token has k pairs, the combine's sum and the dispatch's row gather differentiate
+    by gathers and a [k, T, H] sum; autograd through scatter-add / advanced indexing in float64 is
+    the reference, values and gradients."""
+    rng = np.random.default_rng(k)
+    for policy in ("none", "fsep"):
+        so, _ = _uniform_order(rng, policy, int(rng.integers(1, 30)), k)
+        T, P = so.by_token.numel() // k, so.token_P.numel()
+        x = torch.randn(T, 6, dtype=torch.float64, requires_grad=True)
+        y = torch.randn(P, 6, dtype=torch.float64, requires_grad=True)
+        w_P, w_T = torch.randn(P, 6, dtype=torch.float64), torch.randn(T, 6, dtype=torch.float64)
+        got_x, ref_x = token_rows(x, so), x[so.token_P]
+        assert torch.equal(got_x, ref_x)
+        torch.testing.assert_close(*(torch.autograd.grad((r * w_P).sum(), x)[0] for r in (got_x, ref_x)),
+                                   rtol=1e-12, atol=1e-12)  # k > 2: summed in another order
+        got_y = sum_pairs(y, so, T)
+        ref_y = torch.zeros(T, 6, dtype=torch.float64).index_add(0, so.token_P, y)
+        torch.testing.assert_close(got_y, ref_y, rtol=1e-12, atol=1e-12)
+        assert torch.equal(*(torch.autograd.grad((r * w_T).sum(), y)[0] for r in (got_y, ref_y)))
+
+
+_TRITON_CHECK = """
+import os, sys
+import numpy as np, torch
+sys.path.insert(0, {tests!r})
+from test_dispatch_local import _routing, _plan, POLICIES, D, E
+from megatron_rails.runtime.local import order_pairs, order_pairs_triton, pairs_per_token_range, receive_order
+def same(a, b):
+    return (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
+cases = 0
+for policy in POLICIES:
+    rng = np.random.default_rng(hash(policy) % 2**32)
+    for it in range(25):
+        T = int(rng.integers(0, 40))
+        rmap, probs = _routing(rng, T, [0, 1, 2, 3, E][it % 5])
+        probs = probs.to([torch.float32, torch.float64][it % 2])
+        me = int(rng.integers(D))
+        plan = _plan(rng, policy, rmap, me)
+        lo, hi = pairs_per_token_range(rmap).tolist()
+        a = order_pairs(plan, me, rmap, probs, uniform=lo == hi)
+        b = order_pairs_triton(plan, me, rmap, probs, uniform=lo == hi, receive=True)
+        order, inverse, per_slot = receive_order(plan, me, torch.device("cpu"))
+        assert same(b.receive[0], order) and same(b.receive[1], inverse), (policy, it)
+        assert np.array_equal(b.receive[2], per_slot)
+        assert torch.equal(a.token_P, b.token_P) and torch.equal(a.probs_P, b.probs_P), (policy, it)
+        assert (a.by_token is None) == (b.by_token is None), (policy, it)
+        assert a.by_token is None or torch.equal(a.by_token, b.by_token), (policy, it)
+        assert (a.send_D, a.recv_D, a.k) == (b.send_D, b.recv_D, b.k)
+        cases += 1
+print("triton send order matches", cases)
+"""
+
+
+def test_triton_send_order_matches_the_host_order():
+    """The Triton send-order kernel (CUDA's path) under Triton's interpreter on CPU: the host path's
+    tensors exactly, every policy, routings with and without k pairs per token (k == E too)."""
+    pytest.importorskip("triton")
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TRITON_INTERPRET="1")  # read when the kernel is jitted: a fresh process
+    tests = os.path.dirname(os.path.abspath(__file__))
+    out = subprocess.run([sys.executable, "-c", _TRITON_CHECK.format(tests=tests)], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "triton send order matches 125" in out.stdout

@@ -16,6 +16,7 @@ Runs on CPU (a smoke test) or CUDA (`--device cuda`: the figures the issue asks 
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import sys
 import time
@@ -25,7 +26,8 @@ import torch
 
 from ..core.errors import InputError
 from ..core.policy import PolicyConfig
-from ..runtime.local import pairs_per_token_range, receive_order, rows, rows_back, send_order, sum_pairs
+from ..runtime.local import (STAGING_ENV, pairs_per_token_range, rows, rows_back, send_order,
+                             send_order_path, sum_pairs, token_rows)
 from ..core.planners import make_planner
 
 # Mixtral 8x7B / 8x22B: hidden 4096 / 6144, 8 experts top-2; a 4096-token sequence per rank, EP 8
@@ -98,15 +100,16 @@ def _rows_for(policy: str, skew: str, shape: dict, dtype, device, reps: int, syn
     lo, hi = pairs_per_token_range(rmap).tolist()
 
     def ours_dispatch():
-        so = send_order(plan, me, rmap, probs, uniform=lo == hi)  # made on the device on CUDA
+        # as the dispatcher: the receive order is made (and on a GPU copied) with the send order
+        so = send_order(plan, me, rmap, probs, uniform=lo == hi, receive=True)
         state_ours["sent"] = so
-        return x[so.token_P], so.probs_P
+        return token_rows(x, so), so.probs_P
 
     def ours_regroup():
-        order, _, per_slot = receive_order(plan, me, device)
+        order, inverse, per_slot = state_ours["sent"].receive
         state_ours["order"] = order  # combine puts the rows back with it
         state_ours["n_owner"] = int(per_slot[:L_own].sum())
-        return rows(x_recv, order), rows(pr_recv, order)
+        return rows(x_recv, order, inverse), rows(pr_recv, order, inverse)
 
     def ours_combine():
         y_Q, n = x_recv, state_ours["n_owner"]  # expert outputs in slot order: owner slots', replica slots'
@@ -182,7 +185,8 @@ def bench_local(out: str, shape_name: str = "mixtral-8x7b", device: str = "cpu",
     from ..megatron.models import MCORE_VERSION
 
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
-    print(f"local-work bench on {name}: {shape_name} {shape}, {dtype}, each side's busiest rank", file=sys.stderr)
+    print(f"local-work bench on {name}: {shape_name} {shape}, {dtype}, each side's busiest rank; send order: "
+          f"{send_order_path(torch.zeros(1, 1, dtype=torch.bool, device=dev))}", file=sys.stderr)
     _rows_for(POLICIES[0], next(iter(SKEWS)), shape, dt, dev, 2, sync)  # untimed: first-use costs (CUDA context, kernels)
     rows = []
     for skew in SKEWS:
@@ -195,6 +199,8 @@ def bench_local(out: str, shape_name: str = "mixtral-8x7b", device: str = "cpu",
     res = {"meta": {"command": "megatron-rails bench local", "device": name, "shape": shape_name, **shape,
                     "dtype": dtype, "reps": reps, "torch": torch.__version__,
                     "megatron_core": MCORE_VERSION,
+                    "send_order_path": send_order_path(torch.zeros(1, 1, dtype=torch.bool, device=dev)),
+                    "h2d_staging": os.environ.get(STAGING_ENV, "pinned"),
                     "note": "per-call medians in microseconds; local work only (no collectives, no expert "
                             "compute), on each side's busiest rank (most rows received); megatron_*: "
                             "moe_utils.permute/sort_chunks_by_idxs/unpermute, unfused"},

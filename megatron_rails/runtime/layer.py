@@ -49,7 +49,7 @@ from .expert_kind import ExpertKind
 from .experts import ExpertStore, ShardedExpertStore
 from .faults import maybe_fault
 from .dedup import DedupExchange, fanout_DD
-from .local import SendOrder, pairs_per_token_range, receive_order, rows, rows_back, send_order, sum_pairs
+from .local import SendOrder, pairs_per_token_range, rows, rows_back, send_order, sum_pairs, token_rows
 from .units import NodeUnits, node_units
 
 METRICS_KEPT = 10_000  # per-layer metric records kept (one per microbatch step)
@@ -199,13 +199,13 @@ class LayerRuntime:
             window.in_flight += 1  # its backward (ResidentSlots') counts it off
             window.forwards += 1
         self.plan = plan
-        self.sent = send_order(plan, self.rank, routing_map, probs, uniform=bool(lo == hi))
+        self.sent = send_order(plan, self.rank, routing_map, probs, uniform=bool(lo == hi), receive=True)
         units_DV = self._node_units(x_TH.shape[0])
         record = None if replay else self._record(plan, counts_DE, (t1 - t0) * 1e6, (t2 - t1) * 1e6, x_TH, opened,
                                                   fetched, units_DV)
         if self.dedup is not None:
             return (*self.dedup.send_rows(x_TH, self.sent.probs_P), record)
-        return x_TH[self.sent.token_P], self.sent.probs_P, record
+        return token_rows(x_TH, self.sent), self.sent.probs_P, record
 
     def _node_units(self, T: int) -> Optional[np.ndarray]:
         """Across nodes: this rank's units (runtime/units.py) and, all-gathered, every rank's units
@@ -309,7 +309,7 @@ class LayerRuntime:
         (started in dispatch) runs under the token all-to-all and the owners' compute."""
         plan = self.plan
         L = plan.placement.owner_slots
-        self.recv_order, self.recv_inverse, per_slot = receive_order(plan, self.rank, x_Q.device)
+        self.recv_order, self.recv_inverse, per_slot = self.sent.receive  # made with the send order
         x_Q, probs_Q = rows(x_Q, self.recv_order, self.recv_inverse), rows(probs_Q, self.recv_order, self.recv_inverse)
         # one split into the owners' rows and each slot's: its backward is one concatenation, where
         # a slice per part would each write a zero-filled copy of all received rows, then be summed

@@ -17,11 +17,20 @@ import numpy as np
 import torch
 
 
-def _host_rows(n: int, device) -> torch.Tensor:
-    """An int64 [2, n] host buffer for two per-plan rows bound for `device`: filled through
-    .numpy(), then sent by one `.to(device, non_blocking=True)`. Pinned for CUDA, so that copy does
-    not wait for the device (the caching host allocator keeps the block until the copy is done)."""
-    return torch.empty((2, n), dtype=torch.int64, pin_memory=torch.device(device).type == "cuda")
+STAGING_ENV = "MEGATRON_RAILS_H2D"  # pinned (default) or pageable: how per-plan tables reach a GPU
+
+
+def _host_rows(n: int, device, rows: int = 2) -> torch.Tensor:
+    """An int64 [rows, n] host buffer for per-plan rows bound for `device`: filled through .numpy(),
+    then sent by one `.to(device, non_blocking=True)`. Pinned for CUDA, so that copy does not wait
+    for the device (the caching host allocator keeps the block until the copy is done);
+    $MEGATRON_RAILS_H2D=pageable stages them through pageable memory instead (the driver copies
+    small pageable buffers to its own staging memory and returns; bench local compares the two)."""
+    how = os.environ.get(STAGING_ENV, "pinned")
+    if how not in ("pinned", "pageable"):
+        raise ValueError(f"{STAGING_ENV}={how!r}: expected pinned or pageable")
+    pin = torch.device(device).type == "cuda" and how == "pinned"
+    return torch.empty((rows, n), dtype=torch.int64, pin_memory=pin)
 
 
 def permutation_and_inverse(order_N: np.ndarray, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -46,6 +55,7 @@ class SendOrder:
     by_token: Optional[torch.Tensor]  # pair positions grouped by token, when every token has k pairs
     k: int
     runs: "_RunsOfPairs"  # the pairs' destinations, by run (host)
+    receive: Optional[tuple] = None  # receive_order's result, when asked for with the send order
 
     @functools.cached_property
     def dest_P(self) -> np.ndarray:
@@ -88,7 +98,8 @@ def pairs_per_token_range(routing_map: torch.Tensor) -> torch.Tensor:
 
 def _runs(plan, me: int) -> tuple:
     """This rank's route row, host side: (runs in send order (int64 [M] positions into the row),
-    tokens per run in row order (int64 [M]), destination rank and slot of every run (int64 [M])).
+    tokens per run in row order (int64 [M]), destination rank, slot and expert of every run (int64
+    [M] each)).
     The row lists this rank's replicas in (expert, rank) order, one run of pairs each, and those
     runs cut the stock (expert-major, token-minor) pair stream in turn; sending by (destination,
     slot), token order kept, is a stable reorder of the runs."""
@@ -98,20 +109,44 @@ def _runs(plan, me: int) -> tuple:
     rep = rep_M[row]
     dest, slot = p.replica_rank_R[rep], p.replica_slot_R[rep]
     runs = np.argsort(dest * p.slots_per_rank + slot, kind="stable")
-    return runs, np.asarray(tok_M[row], dtype=np.int64), dest, slot
+    return runs, np.asarray(tok_M[row], dtype=np.int64), dest, slot, p.replica_expert_R[rep]
 
 
-def _send_order(plan, me: int, runs_of_me: tuple, flat_P, probs, T: int, E: int, uniform: bool,
+def _by_token(routing_map: torch.Tensor, pos_TE: torch.Tensor, k: int, sync_free: bool) -> torch.Tensor:
+    """int64 [k*T], k-major: the send position of token t's j-th pair (its experts in ascending
+    order) at j * T + t, from pos_TE (int64 [T, E]: send positions where routed); every token has
+    k pairs. sync_free: by one scatter (no device sync), else by masked_select (fewer ops; syncs a
+    GPU for its size); at k == E every row whole."""
+    T, E = routing_map.shape
+    if k == E:
+        return pos_TE.T.reshape(-1)
+    if not sync_free:
+        return pos_TE.masked_select(routing_map).view(T, k).T.reshape(-1)
+    j_TE = routing_map.cumsum(1) - 1
+    dst_TE = torch.where(routing_map, j_TE * T + torch.arange(T, device=pos_TE.device)[:, None], k * T)  # k*T: a dump
+    return pos_TE.new_empty(k * T + 1).scatter_(0, dst_TE.reshape(-1), pos_TE.reshape(-1))[:k * T]
+
+
+def _assemble(plan, me: int, runs_of_me: tuple, token_P, probs_P, by_token, T: int) -> SendOrder:
+    """The SendOrder of pairs in send order (token_P, probs_P on the device; by_token: _by_token's
+    table or None); runs_of_me: _runs(plan, me)."""
+    runs, n_M, dest, slot = runs_of_me[:4]
+    k = int(n_M.sum()) // T if T else 0
+    send_D = np.bincount(dest, weights=n_M, minlength=plan.send_DD.shape[0]).astype(np.int64).tolist()
+    return SendOrder(token_P, probs_P, send_D, plan.send_DD[:, me].tolist(), by_token, k,
+                     _RunsOfPairs(dest[runs], slot[runs], n_M[runs]))
+
+
+def _send_order(plan, me: int, runs_of_me: tuple, flat_P, routing_map, probs, uniform: bool,
                 pos_ET=None) -> SendOrder:
     """The SendOrder of pairs already in send order, given as flat_P (int64 [P] on the device:
     token * E + expert, an index into the [T, E] map); runs_of_me: _runs(plan, me).
     uniform: every token has the same number k of pairs (top-k routing without drops): the combine
-    then sums each token's k outputs as a [T, k, H] reduction instead of scattered adds; by_token
-    lists the send positions of every token's pairs, token-major: the k smallest per row of a
-    [T, E] table of positions (P where not routed), pos_ET's transpose when given; at k == E every
-    row whole, in expert order (both send-order paths alike)."""
-    runs, n_M, dest, slot = runs_of_me
-    P = int(n_M.sum())
+    then sums each token's k outputs as a [k, T, H] reduction instead of scattered adds, and the
+    dispatch's backward likewise (by_token, _by_token's table; pos_ET: the send positions, [E, T],
+    where the caller has them)."""
+    T, E = routing_map.shape
+    P = flat_P.numel()
     k = P // T if T else 0
     by_token = None
     if k and uniform:
@@ -121,11 +156,9 @@ def _send_order(plan, me: int, runs_of_me: tuple, flat_P, probs, T: int, E: int,
             pos_TE = pos_TE.view(T, E)
         else:
             pos_TE = pos_ET.T
-        # ascending: the k smallest are the routed ones (each token's, in send order)
-        by_token = (pos_TE.topk(k, dim=1, largest=False, sorted=True).values if k < E else pos_TE).reshape(-1)
-    send_D = np.bincount(dest, weights=n_M, minlength=plan.send_DD.shape[0]).astype(np.int64).tolist()
-    return SendOrder(torch.div(flat_P, E, rounding_mode="floor"), probs.reshape(-1)[flat_P], send_D,
-                     plan.send_DD[:, me].tolist(), by_token, k, _RunsOfPairs(dest[runs], slot[runs], n_M[runs]))
+        by_token = _by_token(routing_map, pos_TE, k, sync_free=pos_ET is not None)
+    return _assemble(plan, me, runs_of_me, torch.div(flat_P, E, rounding_mode="floor"), probs.reshape(-1)[flat_P],
+                     by_token, T)
 
 
 def order_pairs(plan, me: int, routing_map: torch.Tensor, probs: torch.Tensor,
@@ -143,7 +176,7 @@ def order_pairs(plan, me: int, routing_map: torch.Tensor, probs: torch.Tensor,
     if uniform is None:
         lo, hi = lo_hi.tolist()
         uniform = lo == hi
-    return _send_order(plan, me, runs_of_me, (t_P * E + e_P)[order], probs, T, E, uniform)
+    return _send_order(plan, me, runs_of_me, (t_P * E + e_P)[order], routing_map, probs, uniform)
 
 
 _FLAT_TE: dict = {}  # (T, E, device) -> int64 [E*T]: t*E + e in (e, t) order (a constant per shape)
@@ -173,7 +206,7 @@ def order_pairs_on_device(plan, me: int, routing_map: torch.Tensor, probs: torch
     P = int(n_M.sum())
     if P == 0:
         none = torch.zeros(0, dtype=torch.int64, device=dev)
-        return _send_order(plan, me, runs_of_me, none, probs, T, E, uniform)
+        return _send_order(plan, me, runs_of_me, none, routing_map, probs, uniform)
     table = _host_rows(n_M.size, dev)
     end_M, shift_M = table.numpy()
     np.cumsum(n_M, out=end_M)  # run ends in the stream (exclusive)
@@ -185,20 +218,101 @@ def order_pairs_on_device(plan, me: int, routing_map: torch.Tensor, probs: torch
     # its run: the first whose end (exclusive) reaches count (count <= P = the last end: in range)
     pos_F = torch.where(routed_F, count_F + shift_M[torch.searchsorted(end_M, count_F)], P)  # P: a dump row
     flat_P = torch.empty(P + 1, dtype=torch.int64, device=dev).scatter_(0, pos_F, _flat_te_in_et_order(T, E, dev))
-    return _send_order(plan, me, runs_of_me, flat_P[:P], probs, T, E, uniform, pos_F.view(E, T))
+    return _send_order(plan, me, runs_of_me, flat_P[:P], routing_map, probs, uniform, pos_F.view(E, T))
+
+
+def order_pairs_triton(plan, me: int, routing_map: torch.Tensor, probs: torch.Tensor, uniform: bool,
+                       receive: bool = False) -> SendOrder:
+    """order_pairs_on_device in two kernels (runtime/local_triton.py): the same tensors. The per-plan
+    table (int64 [E+1+3M]) is the only copy, non-blocking from pinned memory on CUDA; receive: the
+    receive order (receive_order's result, as .receive) travels in the same copy."""
+    from . import local_triton
+
+    dev = routing_map.device
+    T, E = routing_map.shape
+    runs_of_me = _runs(plan, me)
+    runs, n_M, expert_M = runs_of_me[0], runs_of_me[1], runs_of_me[4]
+    P, M = int(n_M.sum()), n_M.size
+    order_N, per_slot = receive_order_host(plan, me) if receive else (None, None)
+    if P == 0:
+        none = torch.zeros(0, dtype=torch.int64, device=dev)
+        so = _send_order(plan, me, runs_of_me, none, routing_map, probs, uniform)
+        so.receive = receive_order(plan, me, dev) if receive else None
+        return so
+    n_table, Q = E + 1 + 3 * M, 0 if order_N is None else order_N.size
+    staged = _host_rows(n_table + 2 * Q, dev, rows=1)[0]
+    table_np = staged.numpy()
+    first_E, lo_M, hi_M, base_M = np.split(table_np[:n_table], [E + 1, E + 1 + M, E + 1 + 2 * M])
+    first_E[:] = np.searchsorted(expert_M, np.arange(E + 1))  # the row is in (expert, rank) order
+    end_M = np.cumsum(n_M)
+    start_M = end_M - n_M  # in the stock stream; minus the expert's start: the place among its pairs
+    lo_M[:] = start_M - start_M[first_E[expert_M]]
+    hi_M[:] = lo_M + n_M
+    base_M[runs] = np.cumsum(n_M[runs]) - n_M[runs]  # send start of every run ...
+    base_M -= lo_M  # ... minus its first place
+    if Q:
+        table_np[n_table:n_table + Q] = order_N
+        table_np[n_table + Q + order_N] = np.arange(Q)
+    on_dev = staged.to(dev, non_blocking=True)
+    k = P // T if uniform else 0
+    token_P, probs_P, by_token = local_triton.send_order_tensors(
+        routing_map, probs, on_dev[:n_table], M, int(np.diff(first_E).max()), P, k)
+    so = _assemble(plan, me, runs_of_me, token_P, probs_P, by_token, T)
+    if receive:
+        so.receive = (on_dev[n_table:n_table + Q], on_dev[n_table + Q:], per_slot) if Q else (None, None, per_slot)
+    return so
 
 
 def sum_pairs(y_P: torch.Tensor, so: SendOrder, T: int) -> torch.Tensor:
     """[T, H]: every token's returned expert outputs summed (rows of y_P in send order)."""
     if so.by_token is not None:
-        return y_P[so.by_token].view(T, so.k, y_P.shape[-1]).sum(dim=1)
+        return _SumPairs.apply(y_P, so.by_token, so.token_P, so.k)
     return y_P.new_zeros((T, y_P.shape[-1])).index_add(0, so.token_P, y_P)
 
 
-def receive_order(plan, me: int, device) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor], np.ndarray]:
-    """The rows this rank receives arrive source-major, slot-minor. Returns (order, inverse,
-    per_slot): the permutation that groups them by slot (stable within a slot), its inverse (both
-    None where the rows already arrive grouped) and the rows per slot."""
+def token_rows(x_TH: torch.Tensor, so: SendOrder) -> torch.Tensor:
+    """[P, H]: every pair's token row, in send order. Its backward sums every token's k pair
+    gradients as sum_pairs does (a [k, T, H] reduction) where every token has k pairs."""
+    if not (x_TH.requires_grad and torch.is_grad_enabled()):
+        return x_TH.index_select(0, so.token_P)
+    if so.by_token is not None:
+        return _TokenRows.apply(x_TH, so.token_P, so.by_token, so.k)
+    return x_TH[so.token_P]  # its backward: a sorted, deterministic accumulation
+
+
+def _gather_sum(y_P: torch.Tensor, by_token: torch.Tensor, k: int) -> torch.Tensor:
+    """[T, H]: sum over j of y_P[by_token[j * T + t]] (k-major table; one gather, then a sum over
+    the outermost dim, which reads rows whole)."""
+    g = y_P.index_select(0, by_token)
+    return g if k == 1 else g.view(k, by_token.numel() // k, *y_P.shape[1:]).sum(0)
+
+
+class _SumPairs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y_P, by_token, token_P, k):
+        ctx.token_P = token_P
+        return _gather_sum(y_P, by_token, k)
+
+    @staticmethod
+    def backward(ctx, grad_TH):  # each pair's row gets its token's gradient: a gather, no scatter-add
+        return grad_TH.index_select(0, ctx.token_P), None, None, None
+
+
+class _TokenRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_TH, token_P, by_token, k):
+        ctx.by_token, ctx.k = by_token, k
+        return x_TH.index_select(0, token_P)
+
+    @staticmethod
+    def backward(ctx, grad_P):
+        return _gather_sum(grad_P, ctx.by_token, ctx.k), None, None, None
+
+
+def receive_order_host(plan, me: int) -> tuple[Optional[np.ndarray], np.ndarray]:
+    """The rows this rank receives arrive source-major, slot-minor. Returns (order, per_slot): the
+    permutation that groups them by slot (int64 [Q], stable within a slot; None where the rows
+    already arrive grouped) and the rows per slot (int64 [S])."""
     p = plan.placement
     D, S = plan.send_DD.shape[0], p.slots_per_rank
     ptr, rep_M, tok_M = plan.route
@@ -209,9 +323,17 @@ def receive_order(plan, me: int, device) -> tuple[Optional[torch.Tensor], Option
     per_slot = n_DS.sum(axis=0)
     run_slot = np.tile(np.arange(S), D)[n_DS.ravel() > 0]
     if (np.diff(run_slot) >= 0).all():  # the rows already arrive grouped by slot
-        return None, None, per_slot
+        return None, per_slot
     # the received runs (source-major, slot-minor), taken slot-major
-    order = segment_order(n_DS.ravel(), np.arange(D * S).reshape(D, S).T.ravel())
+    return segment_order(n_DS.ravel(), np.arange(D * S).reshape(D, S).T.ravel()), per_slot
+
+
+def receive_order(plan, me: int, device) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor], np.ndarray]:
+    """receive_order_host's permutation and its inverse as int64 tensors on `device` (both None
+    where the rows already arrive grouped), and the rows per slot."""
+    order, per_slot = receive_order_host(plan, me)
+    if order is None:
+        return None, None, per_slot
     return (*permutation_and_inverse(order, device), per_slot)
 
 
@@ -220,7 +342,9 @@ def rows(x: torch.Tensor, index: Optional[torch.Tensor], inverse: Optional[torch
     gather by it instead of a scatter-add into zeros."""
     if index is None:
         return x
-    if inverse is None or not (x.requires_grad and torch.is_grad_enabled()):
+    if not (x.requires_grad and torch.is_grad_enabled()):
+        return x.index_select(0, index)  # a row gather (x[index] takes the elementwise indexing kernel)
+    if inverse is None:
         return x[index]
     return _PermuteRows.apply(x, index, inverse)
 
@@ -236,13 +360,27 @@ class _PermuteRows(torch.autograd.Function):
         return grad.index_select(0, ctx.inverse), None, None
 
 
+def _words(x: torch.Tensor) -> torch.Tensor:
+    """x [n, H] seen as 8-byte words per row where its layout allows (the same bytes): an indexed
+    row write then moves 8 bytes per element, not 2 (bf16), which is what that kernel's time goes by."""
+    size = x.element_size()
+    if (x.dim() == 2 and size < 8 and x.is_contiguous() and (x.shape[1] * size) % 8 == 0
+            and (x.storage_offset() * size) % 8 == 0 and x.dtype != torch.bool):
+        return x.view(torch.int64)
+    return x
+
+
 def rows_back(parts: list, order: Optional[torch.Tensor]) -> torch.Tensor:
     """The rows of `parts` (each [n_i, H], together the received rows in slot order, same dtype)
     put back in received order: out[order[j]] = cat(parts)[j]; order None: the slot order is the
-    received order. One write of every row (no concatenated copy first), and a gather per part in
-    the backward. Every part gets a gradient, zero-row ones too (an autograd anchor must run)."""
+    received order (no copy where one part holds every row). One write of every row (no
+    concatenated copy first), and a gather per part in the backward. Every part gets a gradient,
+    zero-row ones too (an autograd anchor must run)."""
     if order is None:
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
+        if len(parts) == 1:
+            return parts[0]
+        if sum(1 for p in parts if p.shape[0]) > 1:
+            return torch.cat(parts)
     return _RowsBack.apply(order, *parts)
 
 
@@ -250,10 +388,15 @@ class _RowsBack(torch.autograd.Function):
     @staticmethod
     def forward(ctx, order, *parts):
         ctx.order, ctx.sizes = order, [p.shape[0] for p in parts]
+        if order is None:  # one part holds every row: it is the result (a view, nothing copied)
+            whole = next((p for p in parts if p.shape[0]), parts[0])
+            return whole.view_as(whole)
         out = parts[0].new_empty((order.numel(), *parts[0].shape[1:]))
-        start = 0
+        out_words, start = _words(out), 0
         for p in parts:
-            out.index_copy_(0, order[start:start + p.shape[0]], p)
+            p_words = _words(p)
+            dst = out_words if p_words.dtype == out_words.dtype else out
+            dst.index_copy_(0, order[start:start + p.shape[0]], p_words if dst is out_words else p)
             start += p.shape[0]
         return out
 
@@ -261,21 +404,45 @@ class _RowsBack(torch.autograd.Function):
     def backward(ctx, grad):
         grads, start = [], 0
         for n in ctx.sizes:
-            grads.append(grad.index_select(0, ctx.order[start:start + n]))
+            if ctx.order is None:
+                grads.append(grad if n else grad[:0])
+            else:
+                grads.append(grad.index_select(0, ctx.order[start:start + n]))
             start += n
         return (None, *grads)
 
 
-SEND_ORDER_ENV = "MEGATRON_RAILS_SEND_ORDER"  # auto (device path on CUDA), device, host
+SEND_ORDER_ENV = "MEGATRON_RAILS_SEND_ORDER"  # auto, triton, device, host
 
 
-def send_order(plan, me: int, routing_map: torch.Tensor, probs: torch.Tensor, uniform: bool) -> SendOrder:
-    """The dispatcher's send order: made on the device for CUDA maps (no sync), on the host for CPU
-    ones (cheaper there; no device to wait for). $MEGATRON_RAILS_SEND_ORDER=device / host forces
-    one path (tests run the device path on CPU this way)."""
+def send_order_path(routing_map: torch.Tensor) -> str:
+    """Which path send_order takes for this map: triton, device or host."""
     how = os.environ.get(SEND_ORDER_ENV, "auto")
-    if how not in ("auto", "device", "host"):
-        raise ValueError(f"{SEND_ORDER_ENV}={how!r}: expected auto, device or host")
-    if how == "device" or (how == "auto" and routing_map.is_cuda):
-        return order_pairs_on_device(plan, me, routing_map, probs, uniform)
-    return order_pairs(plan, me, routing_map, probs, uniform)
+    if how not in ("auto", "triton", "device", "host"):
+        raise ValueError(f"{SEND_ORDER_ENV}={how!r}: expected auto, triton, device or host")
+    if how == "auto":
+        if not routing_map.is_cuda:
+            return "host"
+        from . import local_triton
+
+        return "triton" if local_triton.available() else "device"
+    return how
+
+
+def send_order(plan, me: int, routing_map: torch.Tensor, probs: torch.Tensor, uniform: bool,
+               receive: bool = False) -> SendOrder:
+    """The dispatcher's send order: for CUDA maps made on the device with no sync (one Triton kernel
+    where Triton is importable, else torch ops), for CPU ones on the host (cheaper there; no device
+    to wait for). $MEGATRON_RAILS_SEND_ORDER=triton / device / host forces one path (tests run the
+    device paths on CPU this way, Triton's under its interpreter). receive: receive_order's result
+    too, as .receive (on the Triton path in the same host-to-device copy)."""
+    how = send_order_path(routing_map)
+    if how == "triton":
+        return order_pairs_triton(plan, me, routing_map, probs, uniform, receive)
+    if how == "device":
+        so = order_pairs_on_device(plan, me, routing_map, probs, uniform)
+    else:
+        so = order_pairs(plan, me, routing_map, probs, uniform)
+    if receive:
+        so.receive = receive_order(plan, me, routing_map.device)
+    return so
