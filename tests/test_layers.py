@@ -9,7 +9,7 @@ edge. The layers (docs/architecture.md):
     4  sim       the what-if simulators (iteration time, rails)
     3  config
     2  megatron      the adapter: the only package importing megatron.*
-    1  runtime       torch and torch.distributed, no megatron
+    1  runtime       torch and torch.distributed (triton, optional, for a CUDA kernel), no megatron
     0  core          numpy (pulp, highspy and yaml where a file is read), no torch
 """
 from __future__ import annotations
@@ -24,7 +24,7 @@ LAYER = {"core": 0, "runtime": 1, "megatron": 2, "config": 3, "sim": 4, "bench":
          "cli": 6, "launch": 6, "pretrain": 6, "": 6}
 SIBLINGS = 5  # the layer whose packages must not import each other
 # third-party packages a layer may import (the standard library is always allowed)
-THIRD_PARTY = {0: {"numpy", "yaml", "pulp", "highspy"}, 1: {"numpy", "torch"}}
+THIRD_PARTY = {0: {"numpy", "yaml", "pulp", "highspy"}, 1: {"numpy", "torch", "triton"}}
 STDLIB = {"__future__", "argparse", "ast", "bisect", "collections", "contextlib", "copy", "dataclasses", "difflib",
           "enum", "fractions", "functools", "hashlib", "heapq", "importlib", "inspect", "itertools", "json", "math", "os",
           "pathlib", "platform", "random", "re", "resource", "runpy", "shlex", "shutil", "signal", "statistics",
