@@ -309,9 +309,60 @@ def _entry(rank, world, store, a) -> None:
     leave(0)
 
 
+SEND_ORDER_SHAPES = [(4096, 8, 2), (4096, 64, 6), (2048, 256, 8), (333, 8, 1)]  # (tokens, experts, top-k)
+
+
+def _same(a, b) -> bool:
+    return (a is None and b is None) or (a is not None and b is not None and torch.equal(a.cpu(), b.cpu()))
+
+
+def _send_order_paths(a) -> bool:
+    """Before the ranks start: the send order's paths (host; device torch ops; on CUDA the Triton
+    kernel where importable) on this device give the same tensors, receive order included, for
+    every policy at Mixtral-like and wide expert counts, uniform and zipf 1.2 routing."""
+    import numpy as np
+
+    from megatron_rails.bench.local import routing
+    from megatron_rails.core.planners import make_planner
+    from megatron_rails.core.policy import PolicyConfig
+    from megatron_rails.runtime import local, local_triton
+
+    dev = torch.device(a.device)
+    paths = {"host": local.order_pairs, "device": local.order_pairs_on_device}
+    if dev.type == "cuda" and local_triton.available():
+        paths["triton"] = local.order_pairs_triton
+    D, cases = 8, 0
+    for T, E, k in SEND_ORDER_SHAPES:
+        for s in (0.0, 1.2):
+            maps = [routing(dict(tokens=T, experts=E, topk=k), s, 50 + d, dev) for d in range(D)]
+            counts_DE = np.stack([m.sum(dim=0).cpu().numpy() for m, _ in maps]).astype(np.int64)
+            for policy in POLICIES:
+                plan, _ = (pl := make_planner(policy, PolicyConfig(policy=policy).planner_config(D, E))).plan(
+                    counts_DE, pl.initial_state())
+                me = int(np.argmax(plan.send_DD.sum(axis=0)))
+                rmap, probs = maps[me]
+                got = {}
+                for name, fn in paths.items():
+                    so = fn(plan, me, rmap, probs, True)
+                    got[name] = (so.token_P, so.probs_P, so.by_token, so.send_D, so.recv_D)
+                ref = got["host"]
+                for name, g in got.items():
+                    if not (all(_same(x, y) for x, y in zip(g[:3], ref[:3])) and g[3:] == ref[3:]):
+                        print(f"gpu_check: FAILED: the {name} send order differs from the host's: {policy}, "
+                              f"T={T} E={E} k={k} zipf {s}", flush=True)
+                        return False
+                cases += 1
+    print(textwrap.fill(f"gpu_check: send order on {dev.type}: {', '.join(paths)} paths agree on {cases} cases "
+                        f"(every policy, (T, E, k) in {SEND_ORDER_SHAPES}, uniform and zipf 1.2)", 80), flush=True)
+    return True
+
+
 def main(argv=None) -> int:
     a = _parse(argv)
     import torch.multiprocessing as mp
+
+    if not _send_order_paths(a):
+        return 1
 
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
         try:

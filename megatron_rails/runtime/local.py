@@ -52,7 +52,9 @@ class SendOrder:
     probs_P: torch.Tensor  # its routing prob
     send_D: list  # all-to-all split sizes out
     recv_D: list  # and in
-    by_token: Optional[torch.Tensor]  # pair positions grouped by token, when every token has k pairs
+    # int64 [k*T], when every token has k pairs: the send position of token t's j-th pair (experts
+    # ascending) at j * T + t
+    by_token: Optional[torch.Tensor]
     k: int
     runs: "_RunsOfPairs"  # the pairs' destinations, by run (host)
     receive: Optional[tuple] = None  # receive_order's result, when asked for with the send order

@@ -78,6 +78,6 @@ def send_order_tensors(routing_map: torch.Tensor, probs: torch.Tensor, table: to
     BE = triton.next_power_of_2(E)
     BT = max(1, min(triton.next_power_of_2(T), 2048 // BE))  # about 2048 pairs per program
     _kernel()[(triton.cdiv(T, BT),)](
-        routing_map.view(torch.uint8), rank_TE, probs.contiguous(), table, token_P, probs_P, by_token,
+        routing_map.contiguous().view(torch.uint8), rank_TE, probs.contiguous(), table, token_P, probs_P, by_token,
         T, E, M, runs_max, UNIFORM=bool(k), BT=BT, BE=BE)
     return token_P, probs_P, (by_token if k else None)
