@@ -316,18 +316,17 @@ def receive_order_host(plan, me: int) -> tuple[Optional[np.ndarray], np.ndarray]
     permutation that groups them by slot (int64 [Q], stable within a slot; None where the rows
     already arrive grouped) and the rows per slot (int64 [S])."""
     p = plan.placement
-    D, S = plan.send_DD.shape[0], p.slots_per_rank
     ptr, rep_M, tok_M = plan.route
-    src_M = np.repeat(np.arange(D), np.diff(ptr))
-    mine = p.replica_rank_R[rep_M] == me
-    n_DS = np.bincount(src_M[mine] * S + p.replica_slot_R[rep_M[mine]], weights=tok_M[mine],
-                       minlength=D * S).astype(np.int64).reshape(D, S)
-    per_slot = n_DS.sum(axis=0)
-    run_slot = np.tile(np.arange(S), D)[n_DS.ravel() > 0]
-    if (np.diff(run_slot) >= 0).all():  # the rows already arrive grouped by slot
+    mine = np.flatnonzero(p.replica_rank_R[rep_M] == me)  # route entries into this rank: its runs
+    slot_m = p.replica_slot_R[rep_M[mine]]
+    per_slot = np.bincount(slot_m, weights=tok_M[mine], minlength=p.slots_per_rank).astype(np.int64)
+    # the runs arrive by source (the route is source-major), slot-minor; one run per (source, slot)
+    src_m = np.searchsorted(ptr, mine, side="right") - 1
+    arrive = np.argsort(src_m * p.slots_per_rank + slot_m, kind="stable")
+    if (np.diff(slot_m[arrive]) >= 0).all():  # the rows already arrive grouped by slot
         return None, per_slot
-    # the received runs (source-major, slot-minor), taken slot-major
-    return segment_order(n_DS.ravel(), np.arange(D * S).reshape(D, S).T.ravel()), per_slot
+    # the received runs taken slot-major (source order kept within a slot)
+    return segment_order(tok_M[mine][arrive], np.argsort(slot_m[arrive], kind="stable")), per_slot
 
 
 def receive_order(plan, me: int, device) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor], np.ndarray]:
