@@ -138,6 +138,16 @@ def test_parity_with_the_send_order_made_on_the_device(monkeypatch):
     spawn(_worker, 4, POLICIES, max(4, int(12 * scale)), 19)
 
 
+def test_parity_with_the_send_order_made_by_the_triton_kernel(monkeypatch):
+    """The dispatcher with the Triton send-order kernel (CUDA's path where Triton is importable), run
+    by Triton's interpreter on CPU: parity with stock at world 2, router gradients included (they
+    come back through the pairs' probs, gathered outside the kernel)."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("MEGATRON_RAILS_SEND_ORDER", "triton")  # the spawned ranks inherit both
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    spawn(_worker, 2, POLICIES, 4, 23)
+
+
 def _spec_worker(rank, world):
     from megatron_rails.megatron.layers import rails_gpt_layer_local_spec
     from megatron_rails.demo.train import DemoShape, build_model, train_steps

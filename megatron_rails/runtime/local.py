@@ -124,9 +124,20 @@ def _by_token(routing_map: torch.Tensor, pos_TE: torch.Tensor, k: int, sync_free
         return pos_TE.T.reshape(-1)
     if not sync_free:
         return pos_TE.masked_select(routing_map).view(T, k).T.reshape(-1)
-    j_TE = routing_map.cumsum(1) - 1
-    dst_TE = torch.where(routing_map, j_TE * T + torch.arange(T, device=pos_TE.device)[:, None], k * T)  # k*T: a dump
-    return pos_TE.new_empty(k * T + 1).scatter_(0, dst_TE.reshape(-1), pos_TE.reshape(-1))[:k * T]
+    # the k smallest of (expert where routed, else E) are a token's experts, ascending
+    key_TE = torch.where(routing_map, _expert_ids(E, routing_map.device), E)
+    e_Tk = key_TE.topk(k, dim=1, largest=False, sorted=True).indices
+    return pos_TE.gather(1, e_Tk).T.reshape(-1)
+
+
+_EXPERT_IDS: dict = {}  # (E, device) -> int32 [E]: 0 .. E-1 (a constant per shape)
+
+
+def _expert_ids(E: int, dev) -> torch.Tensor:
+    key = (E, str(dev))
+    if key not in _EXPERT_IDS:
+        _EXPERT_IDS[key] = torch.arange(E, dtype=torch.int32, device=dev)
+    return _EXPERT_IDS[key]
 
 
 def _assemble(plan, me: int, runs_of_me: tuple, token_P, probs_P, by_token, T: int) -> SendOrder:
@@ -159,8 +170,16 @@ def _send_order(plan, me: int, runs_of_me: tuple, flat_P, routing_map, probs, un
         else:
             pos_TE = pos_ET.T
         by_token = _by_token(routing_map, pos_TE, k, sync_free=pos_ET is not None)
-    return _assemble(plan, me, runs_of_me, torch.div(flat_P, E, rounding_mode="floor"), probs.reshape(-1)[flat_P],
+    return _assemble(plan, me, runs_of_me, torch.div(flat_P, E, rounding_mode="floor"), _pair_probs(probs, flat_P),
                      by_token, T)
+
+
+def _pair_probs(probs: torch.Tensor, flat_P: torch.Tensor) -> torch.Tensor:
+    """[P]: the routing prob of every pair (flat_P: token * E + expert). Differentiable: the router's
+    gradient comes back through it (advanced indexing: a sorted, deterministic accumulation)."""
+    if probs.requires_grad and torch.is_grad_enabled():
+        return probs.reshape(-1)[flat_P]
+    return probs.reshape(-1).index_select(0, flat_P)
 
 
 def order_pairs(plan, me: int, routing_map: torch.Tensor, probs: torch.Tensor,
@@ -257,9 +276,9 @@ def order_pairs_triton(plan, me: int, routing_map: torch.Tensor, probs: torch.Te
         table_np[n_table + Q + order_N] = np.arange(Q)
     on_dev = staged.to(dev, non_blocking=True)
     k = P // T if uniform else 0
-    token_P, probs_P, by_token = local_triton.send_order_tensors(
-        routing_map, probs, on_dev[:n_table], M, int(np.diff(first_E).max()), P, k)
-    so = _assemble(plan, me, runs_of_me, token_P, probs_P, by_token, T)
+    token_P, flat_P, by_token = local_triton.send_order_tensors(
+        routing_map, on_dev[:n_table], M, int(np.diff(first_E).max()), P, k)
+    so = _assemble(plan, me, runs_of_me, token_P, _pair_probs(probs, flat_P), by_token, T)
     if receive:
         so.receive = (on_dev[n_table:n_table + Q], on_dev[n_table + Q:], per_slot) if Q else (None, None, per_slot)
     return so

@@ -1,9 +1,9 @@
 """The send order in one GPU kernel (Triton), for CUDA maps where Triton is importable.
 
 runtime/local.order_pairs_on_device makes the same tensors from about ten torch ops; at Mixtral
-shapes each op costs more host time than its kernel takes on the GPU, so this path launches two:
-torch's column cumsum over the routing map, then one program per block of tokens that looks up
-each routed pair's run in the per-plan table and writes its token, prob and send position. Integer
+shapes each op costs more host time than its kernel takes on the GPU, so this path launches three:
+the map transposed and scanned per expert (torch), then one program per block of tokens that looks
+up each routed pair's run in the per-plan table and writes its token, flat index and send position. Integer
 and copied values only, so it is bit-identical to the torch path (tests run it under Triton's
 interpreter on CPU against that path, tensor for tensor).
 
@@ -32,7 +32,7 @@ def _kernel():
     """The jitted kernel, made on first use (Triton reads TRITON_INTERPRET when it jits)."""
 
     @triton.jit
-    def send_order_kernel(map_ptr, rank_ptr, probs_ptr, table_ptr, token_ptr, probs_out_ptr, by_ptr,
+    def send_order_kernel(map_ptr, rank_ptr, table_ptr, token_ptr, flat_ptr, by_ptr,
                           T, E, M, runs_max, UNIFORM: tl.constexpr, BT: tl.constexpr, BE: tl.constexpr):
         t = tl.program_id(0) * BT + tl.arange(0, BT)[:, None]  # [BT, 1] tokens of this program
         e = tl.arange(0, BE)[None, :]  # [1, BE]
@@ -40,7 +40,7 @@ def _kernel():
         flat = t.to(tl.int64) * E + e
         routed = (tl.load(map_ptr + flat, mask=inside, other=0) != 0) & inside
         # place of the pair among its expert's pairs (the stock stream is expert-major, token-minor)
-        c = tl.load(rank_ptr + flat, mask=routed, other=1).to(tl.int64) - 1
+        c = tl.load(rank_ptr + e.to(tl.int64) * T + t, mask=routed, other=1).to(tl.int64) - 1
         # its run: this rank's route entries of expert e are runs first_E[e] .. first_E[e+1]-1, each
         # covering places lo..hi-1 of the expert's pairs, sent from position base + place
         first = tl.load(table_ptr + e, mask=e < E, other=0)
@@ -54,7 +54,7 @@ def _kernel():
             base = tl.load(table_ptr + E + 1 + 2 * M + m, mask=has, other=0)
             pos = tl.where(has & (c >= lo) & (c < hi), c + base, pos)
         tl.store(token_ptr + pos, (t + 0 * e).to(tl.int64), mask=routed)
-        tl.store(probs_out_ptr + pos, tl.load(probs_ptr + flat, mask=routed, other=0), mask=routed)
+        tl.store(flat_ptr + pos, flat, mask=routed)
         if UNIFORM:  # by_token, k-major: the j-th pair of token t (expert order) at j * T + t
             j = tl.cumsum(routed.to(tl.int32), axis=1) - 1
             tl.store(by_ptr + j.to(tl.int64) * T + t, pos, mask=routed)
@@ -62,22 +62,23 @@ def _kernel():
     return send_order_kernel
 
 
-def send_order_tensors(routing_map: torch.Tensor, probs: torch.Tensor, table: torch.Tensor, M: int,
-                       runs_max: int, P: int, k: int):
-    """(token_P int64 [P], probs_P [P] (probs' dtype), by_token int64 [k*T] or None) on the map's
-    device. routing_map bool [T, E], probs [T, E]; table int64 [E+1+3M] on the device: first run
-    of every expert (E+1), then the runs' first and past-last places among their expert's pairs
-    and their send position minus that first place (M each); runs_max: most runs of one expert;
-    k > 0: every token has k pairs (by_token wanted), else 0."""
+def send_order_tensors(routing_map: torch.Tensor, table: torch.Tensor, M: int, runs_max: int, P: int, k: int):
+    """(token_P int64 [P], flat_P int64 [P]: token * E + expert, by_token int64 [k*T] or None) on the
+    map's device. routing_map bool [T, E]; table int64 [E+1+3M] on the device: first run of every
+    expert (E+1), then the runs' first and past-last places among their expert's pairs and their
+    send position minus that first place (M each); runs_max: most runs of one expert; k > 0: every
+    token has k pairs (by_token wanted), else 0. The caller gathers the probs by flat_P (autograd
+    then carries their gradient back to the router)."""
     T, E = routing_map.shape
     dev = routing_map.device
-    rank_TE = routing_map.cumsum(0, dtype=torch.int32)  # inclusive: a routed pair's place + 1
-    token_P = torch.empty(P, dtype=torch.int64, device=dev)
-    probs_P = torch.empty(P, dtype=probs.dtype, device=dev)
-    by_token = torch.empty(k * T, dtype=torch.int64, device=dev) if k else token_P
+    # a routed pair's place + 1 among its expert's pairs: a scan along each expert's row of the
+    # transposed map (along the map's columns, torch would scan E columns with one thread each)
+    rank_ET = routing_map.T.contiguous().cumsum(1, dtype=torch.int32)
+    out = torch.empty(2 * P + k * T, dtype=torch.int64, device=dev)
+    token_P, flat_P, by_token = out[:P], out[P:2 * P], out[2 * P:]
     BE = triton.next_power_of_2(E)
     BT = max(1, min(triton.next_power_of_2(T), 2048 // BE))  # about 2048 pairs per program
     _kernel()[(triton.cdiv(T, BT),)](
-        routing_map.contiguous().view(torch.uint8), rank_TE, probs.contiguous(), table, token_P, probs_P, by_token,
+        routing_map.contiguous().view(torch.uint8), rank_ET, table, token_P, flat_P, by_token,
         T, E, M, runs_max, UNIFORM=bool(k), BT=BT, BE=BE)
-    return token_P, probs_P, (by_token if k else None)
+    return token_P, flat_P, (by_token if k else None)
