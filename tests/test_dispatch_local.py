@@ -136,6 +136,36 @@ def test_send_order_brings_the_receive_order_along(path, monkeypatch):
             assert np.array_equal(got[2], want[2])
 
 
+def test_a_triton_kernel_that_fails_on_first_use_leaves_the_send_order_to_torch(monkeypatch):
+    """Triton importable but its kernel cannot be built here (no compiler for the GPU, say): one
+    RuntimeWarning, the send order from torch ops (the same tensors), and no second try; asked for
+    by name ($MEGATRON_RAILS_SEND_ORDER=triton), the error is raised."""
+    from megatron_rails.runtime import local, local_triton
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("PTX assembly failed\n(details)")
+
+    monkeypatch.delenv("MEGATRON_RAILS_SEND_ORDER", raising=False)
+    monkeypatch.setattr(local, "_TRITON_BROKEN", [])
+    monkeypatch.setattr(local_triton, "_LAUNCHED", [])
+    monkeypatch.setattr(local_triton, "send_order_tensors", broken)
+    monkeypatch.setattr(local_triton, "available", lambda: True)
+    rng = np.random.default_rng(21)
+    rmap, probs = _routing(rng, 24, 2)
+    plan = _plan(rng, "ultraep", rmap, 1)
+    real_path = local.send_order_path
+    monkeypatch.setattr(local, "send_order_path", lambda m: "triton" if not local._TRITON_BROKEN else real_path(m))
+    with pytest.warns(RuntimeWarning, match="Triton send-order kernel failed on first use .RuntimeError: PTX"):
+        got = local.send_order(plan, 1, rmap, probs, uniform=True)
+    want = order_pairs(plan, 1, rmap, probs, uniform=True)
+    assert torch.equal(got.token_P, want.token_P) and torch.equal(got.by_token, want.by_token)
+    assert len(local._TRITON_BROKEN) == 1 and local.send_order_path(rmap) == "host"  # CPU map
+    monkeypatch.setattr(local, "_TRITON_BROKEN", [])
+    monkeypatch.setenv("MEGATRON_RAILS_SEND_ORDER", "triton")
+    with pytest.raises(RuntimeError, match="PTX assembly failed"):
+        local.send_order(plan, 1, rmap, probs, uniform=True)
+
+
 def test_rows_with_inverse_backward_equals_advanced_indexing():
     """rows(x, order, inverse) differentiates by a gather; autograd's own x[order] is the reference."""
     rng = np.random.default_rng(3)

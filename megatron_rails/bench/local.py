@@ -187,7 +187,11 @@ def bench_local(out: str, shape_name: str = "mixtral-8x7b", device: str = "cpu",
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
     print(f"local-work bench on {name}: {shape_name} {shape}, {dtype}, each side's busiest rank; send order: "
           f"{send_order_path(torch.zeros(1, 1, dtype=torch.bool, device=dev))}", file=sys.stderr)
-    _rows_for(POLICIES[0], next(iter(SKEWS)), shape, dt, dev, 2, sync)  # untimed: first-use costs (CUDA context, kernels)
+    # untimed, every case once: first-use costs (CUDA context, kernels, the Triton kernel's variants)
+    # and a GPU's clocks, which ran the first timed cases slow after one warm-up case on an H200
+    for skew in SKEWS:
+        for policy in POLICIES:
+            _rows_for(policy, skew, shape, dt, dev, 2, sync)
     rows = []
     for skew in SKEWS:
         for policy in POLICIES:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import os
+import warnings
 from dataclasses import dataclass
 from typing import Optional
 
@@ -435,6 +436,25 @@ class _RowsBack(torch.autograd.Function):
 SEND_ORDER_ENV = "MEGATRON_RAILS_SEND_ORDER"  # auto, triton, device, host
 
 
+_TRITON_BROKEN: list = []  # the error, once the Triton kernel failed to build or launch here
+
+
+def _triton_failed(err: Exception) -> bool:
+    """The Triton kernel's first use failed (no compiler for this GPU, a driver mismatch): warn once
+    and leave the send order to torch ops from then on. False where it had worked before (then the
+    error is a real one, raised)."""
+    from . import local_triton
+
+    if local_triton.launched():
+        return False
+    _TRITON_BROKEN.append(err)
+    warnings.warn(f"megatron-rails: the Triton send-order kernel failed on first use "
+                  f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}); the send order "
+                  f"is made by torch ops instead (slower; {SEND_ORDER_ENV}=device says so explicitly)",
+                  RuntimeWarning, stacklevel=3)
+    return True
+
+
 def send_order_path(routing_map: torch.Tensor) -> str:
     """Which path send_order takes for this map: triton, device or host."""
     how = os.environ.get(SEND_ORDER_ENV, "auto")
@@ -445,7 +465,7 @@ def send_order_path(routing_map: torch.Tensor) -> str:
             return "host"
         from . import local_triton
 
-        return "triton" if local_triton.available() else "device"
+        return "triton" if local_triton.available() and not _TRITON_BROKEN else "device"
     return how
 
 
@@ -458,7 +478,12 @@ def send_order(plan, me: int, routing_map: torch.Tensor, probs: torch.Tensor, un
     too, as .receive (on the Triton path in the same host-to-device copy)."""
     how = send_order_path(routing_map)
     if how == "triton":
-        return order_pairs_triton(plan, me, routing_map, probs, uniform, receive)
+        try:
+            return order_pairs_triton(plan, me, routing_map, probs, uniform, receive)
+        except Exception as err:  # noqa: BLE001  (a kernel that cannot be compiled here: say so, go on)
+            if os.environ.get(SEND_ORDER_ENV, "auto") != "auto" or not _triton_failed(err):
+                raise  # asked for by name, or it had worked before: a real error
+            how = "device"
     if how == "device":
         so = order_pairs_on_device(plan, me, routing_map, probs, uniform)
     else:

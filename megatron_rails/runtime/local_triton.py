@@ -23,15 +23,24 @@ except ImportError:  # a CPU install: the torch paths serve
     triton = None
 
 
+_LAUNCHED: list = []  # set once a launch has gone through
+
+
 def available() -> bool:
     return triton is not None
+
+
+def launched() -> bool:
+    """Whether the kernel has run in this process (a later failure is then no build problem)."""
+    return bool(_LAUNCHED)
 
 
 @functools.cache
 def _kernel():
     """The jitted kernel, made on first use (Triton reads TRITON_INTERPRET when it jits)."""
 
-    @triton.jit
+    # sizes vary with every plan (M, runs_max) or batch (T): one compiled variant serves them all
+    @triton.jit(do_not_specialize=["T", "E", "M", "runs_max"])
     def send_order_kernel(map_ptr, rank_ptr, table_ptr, token_ptr, flat_ptr, by_ptr,
                           T, E, M, runs_max, UNIFORM: tl.constexpr, BT: tl.constexpr, BE: tl.constexpr):
         t = tl.program_id(0) * BT + tl.arange(0, BT)[:, None]  # [BT, 1] tokens of this program
@@ -81,4 +90,6 @@ def send_order_tensors(routing_map: torch.Tensor, table: torch.Tensor, M: int, r
     _kernel()[(triton.cdiv(T, BT),)](
         routing_map.contiguous().view(torch.uint8), rank_ET, table, token_P, flat_P, by_token,
         T, E, M, runs_max, UNIFORM=bool(k), BT=BT, BE=BE)
+    if not _LAUNCHED:
+        _LAUNCHED.append(True)
     return token_P, flat_P, (by_token if k else None)
