@@ -2,9 +2,11 @@
 # Every GPU check of the project in one go, on one GPU (CI has none; run by hand):
 #   1. alone on the GPU: `megatron-rails bench local --device cuda` for Mixtral 8x7B and 8x22B shapes
 #      (bf16, against Megatron-Core's own permute/unpermute), and 8x7B once more with the send order
-#      made on the host (MEGATRON_RAILS_SEND_ORDER=host: the path before the device one) as a baseline;
-#   2. side by side: scripts/gpu_check.py (4 ranks over gloo against the stock alltoall dispatcher)
-#      and scripts/gpu_pretrain_check.sh (Megatron-LM's pretrain_gpt.py, one NCCL rank and two gloo
+#      made by torch ops (MEGATRON_RAILS_SEND_ORDER=device: the path where Triton is missing) as a
+#      baseline;
+#   2. side by side: scripts/gpu_check.py (4 ranks over gloo against the stock alltoall dispatcher),
+#      the same with shared experts on their own stream (fsep, ultraep), and
+#      scripts/gpu_pretrain_check.sh (Megatron-LM's pretrain_gpt.py, one NCCL rank and two gloo
 #      ranks, each world its own stream). Iteration times from step 2 share the GPU and CPUs with the
 #      other streams: compare them within a stream only.
 #
@@ -30,9 +32,9 @@ for shape in mixtral-8x7b mixtral-8x22b; do
     --out "$OUT/local-$shape.json" > "$OUT/local-$shape.txt" 2>&1
   say "  $shape: exit $?"; grep -E "^  [a-z]" "$OUT/local-$shape.txt" | tee -a "$OUT/summary.txt"
 done
-MEGATRON_RAILS_SEND_ORDER=host timeout 180 "$PY" -m megatron_rails.cli bench local --device cuda \
-  --shape mixtral-8x7b --out "$OUT/local-mixtral-8x7b-host-order.json" > "$OUT/local-host.txt" 2>&1
-say "  mixtral-8x7b, send order on the host: exit $?"; grep -E "^  [a-z]" "$OUT/local-host.txt" | tee -a "$OUT/summary.txt"
+MEGATRON_RAILS_SEND_ORDER=device timeout 180 "$PY" -m megatron_rails.cli bench local --device cuda \
+  --shape mixtral-8x7b --out "$OUT/local-mixtral-8x7b-device-order.json" > "$OUT/local-device.txt" 2>&1
+say "  mixtral-8x7b, send order by torch ops: exit $?"; grep -E "^  [a-z]" "$OUT/local-device.txt" | tee -a "$OUT/summary.txt"
 fi
 
 say "2. gpu_check and pretrain_gpt.py, side by side"
@@ -40,6 +42,9 @@ SETUP_ONLY=1 bash scripts/gpu_pretrain_check.sh "$MLM" "$OUT/setup" > "$OUT/setu
 say "  pretrain setup: exit $?"; tail -4 "$OUT/setup/env.txt" 2>/dev/null | tee -a "$OUT/summary.txt"
 timeout ${CHECK_TIMEOUT:-300} "$PY" scripts/gpu_check.py > "$OUT/gpu_check.log" 2>&1 &
 check=$!
+timeout ${CHECK_TIMEOUT:-300} "$PY" scripts/gpu_check.py --shared-experts --policies fsep ultraep \
+  > "$OUT/gpu_check_shared.log" 2>&1 &
+shared=$!
 SITE=/tmp/site-ep1 RUN_TIMEOUT=${RUN_TIMEOUT:-100} WORLDS=1 PORT_BASE=29400 bash scripts/gpu_pretrain_check.sh "$MLM" "$OUT/ep1" \
   > "$OUT/ep1.txt" 2>&1 &
 ep1=$!
@@ -47,9 +52,11 @@ SITE=/tmp/site-ep2 RUN_TIMEOUT=${RUN_TIMEOUT:-100} WORLDS=2 PORT_BASE=29500 bash
   > "$OUT/ep2.txt" 2>&1 &
 ep2=$!
 wait $check; say "gpu_check: exit $?"; grep -v "^\[\|Warning\|warn\|spawn.py" "$OUT/gpu_check.log" | tail -40 | tee -a "$OUT/summary.txt"
+wait $shared; say "gpu_check --shared-experts: exit $?"
+grep -v "^\[\|Warning\|warn\|spawn.py" "$OUT/gpu_check_shared.log" | tail -14 | tee -a "$OUT/summary.txt"
 wait $ep1; say "pretrain, 1 rank (NCCL): exit $?"; cat "$OUT/ep1/table.md" >> "$OUT/summary.txt" 2>/dev/null
 wait $ep2; say "pretrain, 2 ranks (gloo): exit $?"; cat "$OUT/ep2/table.md" >> "$OUT/summary.txt" 2>/dev/null
 tar czf "$OUT/pretrain.tgz" -C "$OUT" setup setup.txt ep1 ep2 ep1.txt ep2.txt local-mixtral-8x7b.txt local-mixtral-8x22b.txt \
-  local-host.txt 2>/dev/null
+  local-device.txt 2>/dev/null
 rm -rf "$OUT/setup" "$OUT/setup.txt" "$OUT/ep1" "$OUT/ep2" "$OUT"/ep?.txt "$OUT"/local-*.txt
 say "done"
