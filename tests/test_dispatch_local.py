@@ -138,23 +138,29 @@ def test_send_order_brings_the_receive_order_along(path, monkeypatch):
 
 def test_a_triton_kernel_that_fails_on_first_use_leaves_the_send_order_to_torch(monkeypatch):
     """Triton importable but its kernel cannot be built here (no compiler for the GPU, say): one
-    RuntimeWarning, the send order from torch ops (the same tensors), and no second try; asked for
-    by name ($MEGATRON_RAILS_SEND_ORDER=triton), the error is raised."""
+    RuntimeWarning, the send order from torch ops (the same tensors), and no second try. Any other
+    error is raised; asked for by name ($MEGATRON_RAILS_SEND_ORDER=triton), the build error too."""
     from megatron_rails.runtime import local, local_triton
 
     def broken(*args, **kwargs):
-        raise RuntimeError("PTX assembly failed\n(details)")
+        raise local_triton.KernelUnavailable("PTX assembly failed") from RuntimeError("PTX assembly failed\n(details)")
+
+    def bad_data(*args, **kwargs):
+        raise IndexError("index out of range")
 
     monkeypatch.delenv("MEGATRON_RAILS_SEND_ORDER", raising=False)
     monkeypatch.setattr(local, "_TRITON_BROKEN", [])
-    monkeypatch.setattr(local_triton, "_LAUNCHED", [])
-    monkeypatch.setattr(local_triton, "send_order_tensors", broken)
     monkeypatch.setattr(local_triton, "available", lambda: True)
     rng = np.random.default_rng(21)
     rmap, probs = _routing(rng, 24, 2)
     plan = _plan(rng, "ultraep", rmap, 1)
     real_path = local.send_order_path
     monkeypatch.setattr(local, "send_order_path", lambda m: "triton" if not local._TRITON_BROKEN else real_path(m))
+    monkeypatch.setattr(local_triton, "send_order_tensors", bad_data)
+    with pytest.raises(IndexError):
+        local.send_order(plan, 1, rmap, probs, uniform=True)
+    assert not local._TRITON_BROKEN
+    monkeypatch.setattr(local_triton, "send_order_tensors", broken)
     with pytest.warns(RuntimeWarning, match="Triton send-order kernel failed on first use .RuntimeError: PTX"):
         got = local.send_order(plan, 1, rmap, probs, uniform=True)
     want = order_pairs(plan, 1, rmap, probs, uniform=True)
@@ -164,6 +170,40 @@ def test_a_triton_kernel_that_fails_on_first_use_leaves_the_send_order_to_torch(
     monkeypatch.setenv("MEGATRON_RAILS_SEND_ORDER", "triton")
     with pytest.raises(RuntimeError, match="PTX assembly failed"):
         local.send_order(plan, 1, rmap, probs, uniform=True)
+
+
+def test_only_the_kernels_first_launch_counts_as_unavailable(monkeypatch):
+    """local_triton wraps a failing first launch as KernelUnavailable (its cause kept); once a
+    launch went through, errors are the caller's, and out-of-memory is never the kernel's."""
+    pytest.importorskip("triton")
+    from megatron_rails.runtime import local_triton
+
+    calls = []
+
+    class Launcher:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                calls.append(grid)
+                if len(calls) in (1, 3):
+                    raise RuntimeError("compile failed")
+                if len(calls) == 4:
+                    raise torch.OutOfMemoryError("out of memory")
+            return launch
+
+    monkeypatch.setattr(local_triton, "_kernel", lambda: Launcher())
+    monkeypatch.setattr(local_triton, "_LAUNCHED", [])
+    rmap = torch.zeros(4, 3, dtype=torch.bool)
+    table = torch.zeros(4 + 3, dtype=torch.int64)
+    with pytest.raises(local_triton.KernelUnavailable, match="compile failed") as info:
+        local_triton.send_order_tensors(rmap, table, 1, 1, 0, 0)
+    assert isinstance(info.value.__cause__, RuntimeError)
+    local_triton.send_order_tensors(rmap, table, 1, 1, 0, 0)  # goes through: launched from now on
+    with pytest.raises(RuntimeError, match="compile failed") as info:
+        local_triton.send_order_tensors(rmap, table, 1, 1, 0, 0)
+    assert not isinstance(info.value, local_triton.KernelUnavailable)
+    monkeypatch.setattr(local_triton, "_LAUNCHED", [])
+    with pytest.raises(torch.OutOfMemoryError):
+        local_triton.send_order_tensors(rmap, table, 1, 1, 0, 0)
 
 
 def test_rows_with_inverse_backward_equals_advanced_indexing():
@@ -244,7 +284,10 @@ def test_rows_back_against_concatenate_then_gather(dtype):
         order = torch.from_numpy(rng.permutation(Q))
         inverse = torch.empty_like(order)
         inverse[order] = torch.arange(Q)
-        parts = [torch.randn(n, H, dtype=torch.float64).to(dtype).requires_grad_() for n in sizes]
+        # every third case: parts cut from a wider buffer (a one- or zero-row slice there keeps the
+        # wide row stride, which a word view must not take)
+        parts = [(torch.randn(n, H + 2, dtype=torch.float64).to(dtype)[:, :H] if it % 3 == 1 else
+                  torch.randn(n, H, dtype=torch.float64).to(dtype)).requires_grad_() for n in sizes]
         w = torch.randn(Q, H, dtype=torch.float64).to(dtype)
         for got, ref in ((rows_back(parts, order), torch.cat(parts)[inverse]), (rows_back(parts, None), torch.cat(parts))):
             assert torch.equal(got, ref)

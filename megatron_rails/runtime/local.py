@@ -385,8 +385,10 @@ def _words(x: torch.Tensor) -> torch.Tensor:
     """x [n, H] seen as 8-byte words per row where its layout allows (the same bytes): an indexed
     row write then moves 8 bytes per element, not 2 (bf16), which is what that kernel's time goes by."""
     size = x.element_size()
-    if (x.dim() == 2 and size < 8 and x.is_contiguous() and (x.shape[1] * size) % 8 == 0
-            and (x.storage_offset() * size) % 8 == 0 and x.dtype != torch.bool):
+    # strides, not is_contiguous(): that ignores the row stride of a one- or zero-row slice, which
+    # view() checks
+    if (x.dim() == 2 and size < 8 and x.dtype != torch.bool and x.stride(1) == 1 and (x.shape[1] * size) % 8 == 0
+            and (x.stride(0) * size) % 8 == 0 and (x.storage_offset() * size) % 8 == 0):
         return x.view(torch.int64)
     return x
 
@@ -394,9 +396,10 @@ def _words(x: torch.Tensor) -> torch.Tensor:
 def rows_back(parts: list, order: Optional[torch.Tensor]) -> torch.Tensor:
     """The rows of `parts` (each [n_i, H], together the received rows in slot order, same dtype)
     put back in received order: out[order[j]] = cat(parts)[j]; order None: the slot order is the
-    received order (no copy where one part holds every row). One write of every row (no
-    concatenated copy first), and a gather per part in the backward. Every part gets a gradient,
-    zero-row ones too (an autograd anchor must run)."""
+    received order (no copy where one part holds every row: the result is then a view of that
+    part, not to be written in place). One write of every row (no concatenated copy first), and a
+    gather per part in the backward. Every part gets a gradient, zero-row ones too (an autograd
+    anchor must run)."""
     if order is None:
         if len(parts) == 1:
             return parts[0]
@@ -439,20 +442,14 @@ SEND_ORDER_ENV = "MEGATRON_RAILS_SEND_ORDER"  # auto, triton, device, host
 _TRITON_BROKEN: list = []  # the error, once the Triton kernel failed to build or launch here
 
 
-def _triton_failed(err: Exception) -> bool:
-    """The Triton kernel's first use failed (no compiler for this GPU, a driver mismatch): warn once
-    and leave the send order to torch ops from then on. False where it had worked before (then the
-    error is a real one, raised)."""
-    from . import local_triton
-
-    if local_triton.launched():
-        return False
+def _triton_failed(err: Exception) -> None:
+    """The Triton kernel's first launch failed (no compiler for this GPU, a driver mismatch): warn
+    once and leave the send order to torch ops from then on."""
     _TRITON_BROKEN.append(err)
-    warnings.warn(f"megatron-rails: the Triton send-order kernel failed on first use "
-                  f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}); the send order "
-                  f"is made by torch ops instead (slower; {SEND_ORDER_ENV}=device says so explicitly)",
-                  RuntimeWarning, stacklevel=3)
-    return True
+    first = str(err).splitlines()[0] if str(err) else ""
+    warnings.warn(f"megatron-rails: the Triton send-order kernel failed on first use ({type(err).__name__}: "
+                  f"{first}); the send order is made by torch ops instead (slower; {SEND_ORDER_ENV}=device "
+                  f"says so explicitly)", RuntimeWarning, stacklevel=3)
 
 
 def send_order_path(routing_map: torch.Tensor) -> str:
@@ -478,11 +475,14 @@ def send_order(plan, me: int, routing_map: torch.Tensor, probs: torch.Tensor, un
     too, as .receive (on the Triton path in the same host-to-device copy)."""
     how = send_order_path(routing_map)
     if how == "triton":
+        from .local_triton import KernelUnavailable
+
         try:
             return order_pairs_triton(plan, me, routing_map, probs, uniform, receive)
-        except Exception as err:  # noqa: BLE001  (a kernel that cannot be compiled here: say so, go on)
-            if os.environ.get(SEND_ORDER_ENV, "auto") != "auto" or not _triton_failed(err):
-                raise  # asked for by name, or it had worked before: a real error
+        except KernelUnavailable as err:  # the kernel could not be built or launched here: say so, go on
+            if os.environ.get(SEND_ORDER_ENV, "auto") != "auto":
+                raise err.__cause__ from None  # asked for by name: the error itself
+            _triton_failed(err.__cause__)
             how = "device"
     if how == "device":
         so = order_pairs_on_device(plan, me, routing_map, probs, uniform)

@@ -26,13 +26,14 @@ except ImportError:  # a CPU install: the torch paths serve
 _LAUNCHED: list = []  # set once a launch has gone through
 
 
+class KernelUnavailable(RuntimeError):
+    """The kernel's first launch failed (it could not be compiled or loaded here); __cause__ is why."""
+
+
 def available() -> bool:
     return triton is not None
 
 
-def launched() -> bool:
-    """Whether the kernel has run in this process (a later failure is then no build problem)."""
-    return bool(_LAUNCHED)
 
 
 @functools.cache
@@ -87,9 +88,15 @@ def send_order_tensors(routing_map: torch.Tensor, table: torch.Tensor, M: int, r
     token_P, flat_P, by_token = out[:P], out[P:2 * P], out[2 * P:]
     BE = triton.next_power_of_2(E)
     BT = max(1, min(triton.next_power_of_2(T), 2048 // BE))  # about 2048 pairs per program
-    _kernel()[(triton.cdiv(T, BT),)](
-        routing_map.contiguous().view(torch.uint8), rank_ET, table, token_P, flat_P, by_token,
-        T, E, M, runs_max, UNIFORM=bool(k), BT=BT, BE=BE)
+    args = (routing_map.contiguous().view(torch.uint8), rank_ET, table, token_P, flat_P, by_token, T, E, M, runs_max)
+    try:
+        _kernel()[(triton.cdiv(T, BT),)](*args, UNIFORM=bool(k), BT=BT, BE=BE)
+    except torch.OutOfMemoryError:
+        raise
+    except Exception as err:  # noqa: BLE001  (the first launch compiles: a failure there is the kernel's)
+        if _LAUNCHED:
+            raise
+        raise KernelUnavailable(str(err)) from err
     if not _LAUNCHED:
         _LAUNCHED.append(True)
     return token_P, flat_P, (by_token if k else None)
