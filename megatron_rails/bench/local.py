@@ -53,18 +53,22 @@ def routing(shape: dict, s: float, seed: int, device) -> tuple[torch.Tensor, tor
     return (probs > 0).to(device), probs.to(device)
 
 
-def _timed(fn, reps: int, sync) -> list[float]:
-    """Microseconds per call of fn (after its warm-up calls), one figure per call."""
+def _timed(fn, reps: int, sync) -> tuple[list[float], list[float]]:
+    """Microseconds per call of fn (after its warm-up calls), one figure per call: from a synced
+    device to the sync after the call, and to the call's return (the host's share: queuing the
+    work; on a GPU the rest is waiting for it)."""
     for _ in range(3):
         fn()
-    out = []
+    full, host = [], []
     for _ in range(reps):
         sync()
         t0 = time.perf_counter()
         fn()
+        t1 = time.perf_counter()
         sync()
-        out.append((time.perf_counter() - t0) * 1e6)
-    return out
+        full.append((time.perf_counter() - t0) * 1e6)
+        host.append((t1 - t0) * 1e6)
+    return full, host
 
 
 def _rows_for(policy: str, skew: str, shape: dict, dtype, device, reps: int, sync) -> dict:
@@ -155,7 +159,8 @@ def _rows_for(policy: str, skew: str, shape: dict, dtype, device, reps: int, syn
     for name, fn in (("dispatch", ours_dispatch), ("regroup", ours_regroup), ("combine", ours_combine),
                      ("stock_dispatch", stock_dispatch), ("stock_regroup", stock_regroup),
                      ("stock_combine", stock_combine)):
-        seg[name] = statistics.median(_timed(fn, reps, sync))
+        full, host = _timed(fn, reps, sync)
+        seg[name], seg[name + "_host"] = statistics.median(full), statistics.median(host)
     plan_p50 = statistics.median(plan_us)
     ours = seg["dispatch"] + seg["regroup"] + seg["combine"]
     stock = seg["stock_dispatch"] + seg["stock_regroup"] + seg["stock_combine"]
@@ -164,6 +169,11 @@ def _rows_for(policy: str, skew: str, shape: dict, dtype, device, reps: int, syn
             "local_us_p50": ours, "plan_plus_local_us_p50": plan_p50 + ours,
             "megatron_dispatch_us_p50": seg["stock_dispatch"], "megatron_regroup_us_p50": seg["stock_regroup"],
             "megatron_combine_us_p50": seg["stock_combine"], "megatron_local_us_p50": stock,
+            # until each call returned: the host's share (equal to the above on CPU)
+            "dispatch_host_us_p50": seg["dispatch_host"], "regroup_host_us_p50": seg["regroup_host"],
+            "combine_host_us_p50": seg["combine_host"], "megatron_dispatch_host_us_p50": seg["stock_dispatch_host"],
+            "megatron_regroup_host_us_p50": seg["stock_regroup_host"],
+            "megatron_combine_host_us_p50": seg["stock_combine_host"],
             "ratio_vs_megatron": (plan_p50 + ours) / stock, "ratio_local_only": ours / stock,
             "rank": me, "pairs_sent": P, "rows_received": Q, "rank_stock": stock_me, "rows_received_stock": Q_stock}
 
@@ -207,7 +217,8 @@ def bench_local(out: str, shape_name: str = "mixtral-8x7b", device: str = "cpu",
                     "h2d_staging": os.environ.get(STAGING_ENV, "pinned"),
                     "note": "per-call medians in microseconds; local work only (no collectives, no expert "
                             "compute), on each side's busiest rank (most rows received); megatron_*: "
-                            "moe_utils.permute/sort_chunks_by_idxs/unpermute, unfused"},
+                            "moe_utils.permute/sort_chunks_by_idxs/unpermute, unfused; *_host_us_p50: "
+                            "until the call returned (the host's share), the others to the sync after it"},
            "rows": rows}
     with open(out, "w") as f:
         json.dump(res, f, indent=1)
