@@ -6,8 +6,8 @@
 #      baseline;
 #   2. side by side: scripts/gpu_check.py (4 ranks over gloo against the stock alltoall dispatcher),
 #      the same with shared experts on their own stream (fsep, ultraep), and
-#      scripts/gpu_pretrain_check.sh (Megatron-LM's pretrain_gpt.py, one NCCL rank and two gloo
-#      ranks, each world its own stream). Iteration times from step 2 share the GPU and CPUs with the
+#      scripts/gpu_pretrain_check.sh (Megatron-LM's pretrain_gpt.py: one NCCL rank in three
+#      instances, each with its own stock run, and two gloo ranks). Iteration times from step 2 share the GPU and CPUs with the
 #      other streams: compare them within a stream only.
 #
 #   bash scripts/gpu_checks.sh MEGATRON_LM_DIR OUTDIR
@@ -45,18 +45,27 @@ check=$!
 timeout ${CHECK_TIMEOUT:-300} "$PY" scripts/gpu_check.py --shared-experts --policies fsep ultraep \
   > "$OUT/gpu_check_shared.log" 2>&1 &
 shared=$!
-SITE=/tmp/site-ep1 RUN_TIMEOUT=${RUN_TIMEOUT:-100} WORLDS=1 PORT_BASE=29400 bash scripts/gpu_pretrain_check.sh "$MLM" "$OUT/ep1" \
-  > "$OUT/ep1.txt" 2>&1 &
-ep1=$!
-SITE=/tmp/site-ep2 RUN_TIMEOUT=${RUN_TIMEOUT:-100} WORLDS=2 PORT_BASE=29500 bash scripts/gpu_pretrain_check.sh "$MLM" "$OUT/ep2" \
+# one rank (NCCL): three instances, each with its own stock run, so the policies' runs overlap (about
+# 35 s each on an H200); two ranks over gloo: stock first, the policies only if it gets through
+pids=()
+for part in "a:none eplb" "b:fsep ultraep" "c:lp"; do
+  name=ep1${part%%:*}
+  SITE=/tmp/site-$name RUN_TIMEOUT=${RUN_TIMEOUT:-100} WORLDS=1 POLICIES="${part#*:}" \
+    PORT_BASE=$((29400 + 100 * ${#pids[@]})) bash scripts/gpu_pretrain_check.sh "$MLM" "$OUT/$name" > "$OUT/$name.txt" 2>&1 &
+  pids+=($!)
+done
+SITE=/tmp/site-ep2 RUN_TIMEOUT=${RUN_TIMEOUT:-100} WORLDS=2 PORT_BASE=29800 bash scripts/gpu_pretrain_check.sh "$MLM" "$OUT/ep2" \
   > "$OUT/ep2.txt" 2>&1 &
 ep2=$!
 wait $check; say "gpu_check: exit $?"; grep -v "^\[\|Warning\|warn\|spawn.py" "$OUT/gpu_check.log" | tail -40 | tee -a "$OUT/summary.txt"
 wait $shared; say "gpu_check --shared-experts: exit $?"
 grep -v "^\[\|Warning\|warn\|spawn.py" "$OUT/gpu_check_shared.log" | tail -14 | tee -a "$OUT/summary.txt"
-wait $ep1; say "pretrain, 1 rank (NCCL): exit $?"; cat "$OUT/ep1/table.md" >> "$OUT/summary.txt" 2>/dev/null
+for i in 0 1 2; do
+  name=ep1$(echo a b c | cut -d' ' -f$((i + 1)))
+  wait "${pids[$i]}"; say "pretrain, 1 rank (NCCL), $name: exit $?"; cat "$OUT/$name/table.md" >> "$OUT/summary.txt" 2>/dev/null
+done
 wait $ep2; say "pretrain, 2 ranks (gloo): exit $?"; cat "$OUT/ep2/table.md" >> "$OUT/summary.txt" 2>/dev/null
-tar czf "$OUT/pretrain.tgz" -C "$OUT" setup setup.txt ep1 ep2 ep1.txt ep2.txt local-mixtral-8x7b.txt local-mixtral-8x22b.txt \
-  local-device.txt 2>/dev/null
-rm -rf "$OUT/setup" "$OUT/setup.txt" "$OUT/ep1" "$OUT/ep2" "$OUT"/ep?.txt "$OUT"/local-*.txt
+tar czf "$OUT/pretrain.tgz" -C "$OUT" setup setup.txt ep1a ep1b ep1c ep2 ep1?.txt ep2.txt local-mixtral-8x7b.txt \
+  local-mixtral-8x22b.txt local-device.txt 2>/dev/null
+rm -rf "$OUT/setup" "$OUT/setup.txt" "$OUT"/ep1? "$OUT/ep2" "$OUT"/ep*.txt "$OUT"/local-*.txt
 say "done"
