@@ -13,6 +13,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -127,8 +128,15 @@ def submit(tmp_path, cmd: str, timeout=600):
         pytest.fail(f"sbatch --wait timed out after {timeout} s (job {job or '?'} cancelled)")
     job = stdout.strip().split(";")[0]
     assert job.isdigit(), stdout + stderr
-    info = subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True).stdout
-    state = next((w.split("=", 1)[1] for w in info.split() if w.startswith("JobState=")), "?")
+    # --wait returns when the job's script ends; Slurm may still be COMPLETING it (cleaning up its
+    # processes) for a moment before the final state: wait for that
+    deadline = time.monotonic() + 120
+    while True:
+        info = subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True).stdout
+        state = next((w.split("=", 1)[1] for w in info.split() if w.startswith("JobState=")), "?")
+        if state not in ("COMPLETING", "RUNNING", "CONFIGURING", "PENDING") or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
     log = Path(str(out).replace("%j", job))
     return job, proc.returncode, state, log.read_text() if log.exists() else ""
 
