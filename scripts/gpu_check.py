@@ -318,8 +318,9 @@ def _same(a, b) -> bool:
 
 def _send_order_paths(a) -> bool:
     """Before the ranks start: the send order's paths (host; device torch ops; on CUDA the Triton
-    kernel where importable) on this device give the same tensors, receive order included, for
-    every policy at Mixtral-like and wide expert counts, uniform and zipf 1.2 routing."""
+    kernel where importable) on this device give the same tensors (pairs' tokens and probs,
+    by_token, split sizes) for every policy at Mixtral-like and wide expert counts, uniform and
+    zipf 1.2 routing."""
     import numpy as np
 
     from megatron_rails.bench.local import routing

@@ -38,11 +38,16 @@ def permutation_and_inverse(order_N: np.ndarray, device) -> tuple[torch.Tensor, 
     """A permutation (numpy) and its inverse as int64 tensors on `device`, in one host-to-device copy
     (on CUDA from pinned memory, not waiting for the device)."""
     both = _host_rows(order_N.size, device)
-    both_np = both.numpy()
-    both_np[0] = order_N
-    both_np[1, order_N] = np.arange(order_N.size)
+    _fill_permutation(both.numpy().reshape(-1), order_N)
     order_t, inverse_t = both.to(device, non_blocking=True).unbind(0)
     return order_t, inverse_t
+
+
+def _fill_permutation(out_2N: np.ndarray, order_N: np.ndarray) -> None:
+    """out_2N (int64 [2N], host) <- the permutation, then its inverse."""
+    N = order_N.size
+    out_2N[:N] = order_N
+    out_2N[N + order_N] = np.arange(N)
 
 
 @dataclass
@@ -118,8 +123,8 @@ def _runs(plan, me: int) -> tuple:
 def _by_token(routing_map: torch.Tensor, pos_TE: torch.Tensor, k: int, sync_free: bool) -> torch.Tensor:
     """int64 [k*T], k-major: the send position of token t's j-th pair (its experts in ascending
     order) at j * T + t, from pos_TE (int64 [T, E]: send positions where routed); every token has
-    k pairs. sync_free: by one scatter (no device sync), else by masked_select (fewer ops; syncs a
-    GPU for its size); at k == E every row whole."""
+    k pairs. sync_free: by a top-k over expert ids and a gather (no device sync), else by
+    masked_select (fewer ops; syncs a GPU for its size); at k == E every row whole."""
     T, E = routing_map.shape
     if k == E:
         return pos_TE.T.reshape(-1)
@@ -259,7 +264,8 @@ def order_pairs_triton(plan, me: int, routing_map: torch.Tensor, probs: torch.Te
     if P == 0:
         none = torch.zeros(0, dtype=torch.int64, device=dev)
         so = _send_order(plan, me, runs_of_me, none, routing_map, probs, uniform)
-        so.receive = receive_order(plan, me, dev) if receive else None
+        if receive:
+            so.receive = (None, None, per_slot) if order_N is None else (*permutation_and_inverse(order_N, dev), per_slot)
         return so
     n_table, Q = E + 1 + 3 * M, 0 if order_N is None else order_N.size
     staged = _host_rows(n_table + 2 * Q, dev, rows=1)[0]
@@ -273,8 +279,7 @@ def order_pairs_triton(plan, me: int, routing_map: torch.Tensor, probs: torch.Te
     base_M[runs] = np.cumsum(n_M[runs]) - n_M[runs]  # send start of every run ...
     base_M -= lo_M  # ... minus its first place
     if Q:
-        table_np[n_table:n_table + Q] = order_N
-        table_np[n_table + Q + order_N] = np.arange(Q)
+        _fill_permutation(table_np[n_table:], order_N)
     on_dev = staged.to(dev, non_blocking=True)
     k = P // T if uniform else 0
     token_P, flat_P, by_token = local_triton.send_order_tensors(

@@ -2,10 +2,10 @@
 
 runtime/local.order_pairs_on_device makes the same tensors from about ten torch ops; at Mixtral
 shapes each op costs more host time than its kernel takes on the GPU, so this path launches three:
-the map transposed and scanned per expert (torch), then one program per block of tokens that looks
-up each routed pair's run in the per-plan table and writes its token, flat index and send position. Integer
-and copied values only, so it is bit-identical to the torch path (tests run it under Triton's
-interpreter on CPU against that path, tensor for tensor).
+the map transposed and scanned per expert (torch), then one program per block of tokens that
+looks up each routed pair's run in the per-plan table and writes its token, flat index and send
+position. Integer values only, so it is bit-identical to the torch paths (tests run it under
+Triton's interpreter on CPU against the host path, tensor for tensor).
 
 Shape letters: docs/architecture.md (glossary). T local tokens, E experts, k pairs per token when
 uniform, P pairs this rank sends, M this rank's route entries (runs).
@@ -32,8 +32,6 @@ class KernelUnavailable(RuntimeError):
 
 def available() -> bool:
     return triton is not None
-
-
 
 
 @functools.cache
