@@ -1,9 +1,13 @@
-"""The one compiled part: ultraep's planning hot path (megatron_rails/core/planners/_ultraep_c.c).
+"""The compiled parts: ultraep's planning hot path (megatron_rails/core/planners/_ultraep_c.c) and a
+plan's token route (megatron_rails/core/_route_c.c).
 
-Optional: where no C compiler is available the build goes on without it and ultraep plans in pure
-Python (same plans, slower). Everything else is declared in pyproject.toml.
+Optional: where no C compiler is available the build goes on without them and both run in pure
+Python (same results, slower). Everything else is declared in pyproject.toml.
 """
 from setuptools import Extension, setup
 
+FLAGS = ["-O3", "-std=c11", "-Wall", "-Wextra"]
 setup(ext_modules=[Extension("megatron_rails.core.planners._ultraep_c", ["megatron_rails/core/planners/_ultraep_c.c"],
-                             extra_compile_args=["-O3", "-std=c11", "-Wall", "-Wextra"], optional=True)])
+                             extra_compile_args=FLAGS, optional=True),
+                   Extension("megatron_rails.core._route_c", ["megatron_rails/core/_route_c.c"],
+                             extra_compile_args=FLAGS, optional=True)])

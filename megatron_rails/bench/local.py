@@ -1,9 +1,10 @@
 """`megatron-rails bench local`: the dispatcher's local work on one device, against Megatron-Core's
 own permute/unpermute for the same tokens.
 
-One EP rank's share of a layer step, without the collectives: the plan from the exact counts, the
-pairs put in send order (dispatch_preprocess), the received rows grouped by slot
-(dispatch_postprocess), and the way back (combine_preprocess and combine_postprocess). The stock
+One EP rank's share of a layer step, without the collectives: the plan from the exact counts (with
+its token route and split sizes, which every rank derives from it), the pairs put in send order
+(dispatch_preprocess), the received rows grouped by slot (dispatch_postprocess), and the way back
+(combine_preprocess and combine_postprocess). The stock
 side is what Megatron-Core's alltoall dispatcher does locally: permute, sort_chunks_by_idxs twice
 when a rank holds more than one expert, unpermute. Excluded on both sides: the count exchange, the
 all-to-alls, expert compute and weight movement. Each side is timed on its busiest rank (the most
@@ -71,7 +72,10 @@ def _timed(fn, reps: int, sync) -> tuple[list[float], list[float]]:
     return full, host
 
 
-def _rows_for(policy: str, skew: str, shape: dict, dtype, device, reps: int, sync) -> dict:
+def case(policy: str, skew: str, shape: dict, dtype, device, reps: int) -> tuple:
+    """One policy x skew case, ready to time: (the planner's per-call microseconds over `reps`
+    plans, the six timed steps by name (this project's dispatch, regroup, combine; Megatron-Core's),
+    facts of the case for the JSON row). Checks that the send order holds exactly the routed pairs."""
     from ..megatron.models import stock_local_ops
 
     stock_permute, sort_chunks_by_idxs, unpermute = stock_local_ops()
@@ -87,7 +91,8 @@ def _rows_for(policy: str, skew: str, shape: dict, dtype, device, reps: int, syn
     plan_us = []
     for _ in range(reps):
         t0 = time.perf_counter()
-        planner.plan(counts_DE, state)
+        fresh, _ = planner.plan(counts_DE, state)
+        fresh.route, fresh.send_DD  # derived once per plan, before any rank can send
         plan_us.append((time.perf_counter() - t0) * 1e6)
 
     # -- this project's dispatcher: the same functions RailsTokenDispatcher calls
@@ -155,10 +160,16 @@ def _rows_for(policy: str, skew: str, shape: dict, dtype, device, reps: int, syn
     if not torch.equal(torch.sort(state_ours["sent"].token_P).values, rmap.nonzero()[:, 0]):
         raise RuntimeError(f"{policy}/{skew}: the dispatcher's send order is not a permutation of the routed pairs")
 
+    steps = {"dispatch": ours_dispatch, "regroup": ours_regroup, "combine": ours_combine,
+             "stock_dispatch": stock_dispatch, "stock_regroup": stock_regroup, "stock_combine": stock_combine}
+    facts = {"rank": me, "pairs_sent": P, "rows_received": Q, "rank_stock": stock_me, "rows_received_stock": Q_stock}
+    return plan_us, steps, facts
+
+
+def _rows_for(policy: str, skew: str, shape: dict, dtype, device, reps: int, sync) -> dict:
+    plan_us, steps, facts = case(policy, skew, shape, dtype, device, reps)
     seg = {}
-    for name, fn in (("dispatch", ours_dispatch), ("regroup", ours_regroup), ("combine", ours_combine),
-                     ("stock_dispatch", stock_dispatch), ("stock_regroup", stock_regroup),
-                     ("stock_combine", stock_combine)):
+    for name, fn in steps.items():
         full, host = _timed(fn, reps, sync)
         seg[name], seg[name + "_host"] = statistics.median(full), statistics.median(host)
     plan_p50 = statistics.median(plan_us)
@@ -174,8 +185,7 @@ def _rows_for(policy: str, skew: str, shape: dict, dtype, device, reps: int, syn
             "combine_host_us_p50": seg["combine_host"], "megatron_dispatch_host_us_p50": seg["stock_dispatch_host"],
             "megatron_regroup_host_us_p50": seg["stock_regroup_host"],
             "megatron_combine_host_us_p50": seg["stock_combine_host"],
-            "ratio_vs_megatron": (plan_p50 + ours) / stock, "ratio_local_only": ours / stock,
-            "rank": me, "pairs_sent": P, "rows_received": Q, "rank_stock": stock_me, "rows_received_stock": Q_stock}
+            "ratio_vs_megatron": (plan_p50 + ours) / stock, "ratio_local_only": ours / stock, **facts}
 
 
 def bench_local(out: str, shape_name: str = "mixtral-8x7b", device: str = "cpu", dtype: str = "bfloat16",

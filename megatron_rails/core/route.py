@@ -12,6 +12,8 @@ two or more replicas (n_multi of them).
 """
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 from .errors import PlanError
@@ -94,6 +96,61 @@ def split_by_quota(counts_DE: np.ndarray, placement, quota_R) -> tuple[np.ndarra
             parts.append((a_src[i], dem[j], amt))
     src, rep, tok = (np.concatenate(x) for x in zip(*parts))
     return src, rep, tok
+
+
+def _compiled():
+    """The compiled route (`_route_c.route_csr`), or None where it is not built or turned off
+    (MEGATRON_RAILS_PURE_PYTHON=1, as for ultraep's kernel)."""
+    if os.environ.get("MEGATRON_RAILS_PURE_PYTHON", "") not in ("", "0"):
+        return None
+    try:
+        from ._route_c import route_csr as kernel
+    except ImportError:
+        return None
+    return kernel
+
+
+_KERNEL = _compiled()
+
+
+def route_csr(counts_DE: np.ndarray, placement, quota_R, compiled: bool = True) -> tuple[np.ndarray, ...]:
+    """The route of `split_by_quota` as `to_csr` gives it: (indptr int64 [D+1], rep int64 [M], tok
+    int64 [M]), read-only; PlanError where the quotas do not fit the counts. Compiled where built
+    (`_route_c.c`: the same entries; compiled=False forces Python). In Python, where every expert's
+    tokens go to one replica (stock layouts, and every plan that splits no expert) the CSR is read
+    off the counts directly: each source sends an expert's whole count to its one replica."""
+    p = placement
+    quota = np.asarray(quota_R, dtype=np.int64)
+    D, E = counts_DE.shape
+    R = p.num_replicas
+    if compiled and _KERNEL is not None and quota.shape == (R,) and R and p.num_ranks == D:
+        cap = 3 * D * E + 2 * R
+        ptr, out = np.empty(D + 1, dtype=np.int64), np.empty((2, cap), dtype=np.int64)
+        M = _KERNEL(np.ascontiguousarray(counts_DE, dtype=np.int64), p.replica_expert_R, p.replica_rank_R,
+                    np.ascontiguousarray(quota), D, E, R, p.ranks_per_node, ptr, out[0], out[1])
+        if M >= 0:  # else the quotas do not fit the counts: the Python path below says how
+            res = (ptr, out[0, :M].copy(), out[1, :M].copy())
+            for a in res:
+                a.flags.writeable = False
+            return res
+    if quota.shape == (R,) and quota.min(initial=0) >= 0:
+        pos = np.flatnonzero(quota)
+        e_pos = p.replica_expert_R[pos]  # ascending: replicas are numbered in (expert, rank) order
+        load_E = counts_DE.sum(axis=0)
+        # one replica per loaded expert, with its whole load (else the general path, which also
+        # says what is wrong with quotas that do not match the counts)
+        if (not np.count_nonzero(e_pos[1:] == e_pos[:-1]) and np.array_equal(quota[pos], load_E[e_pos])
+                and int(load_E.sum()) == int(quota.sum())):
+            sub = counts_DE[:, e_pos]
+            d, j = np.nonzero(sub)  # row-major: sorted by (source, replica), as to_csr orders them
+            ptr = np.zeros(counts_DE.shape[0] + 1, dtype=np.int64)
+            np.cumsum(np.bincount(d, minlength=counts_DE.shape[0]), out=ptr[1:])
+            out = (ptr, pos[j], sub[d, j])
+            for a in out:
+                a.flags.writeable = False
+            return out
+    src, rep, tok = split_by_quota(counts_DE, p, quota_R)
+    return to_csr(p.num_ranks, max(p.num_replicas, 1), src, rep, tok)
 
 
 def to_csr(num_ranks: int, num_replicas: int, src_M, rep_M, tok_M):

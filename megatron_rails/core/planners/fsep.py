@@ -22,8 +22,12 @@ class FsepPlanner(PlannerBase):
     name = "fsep"
 
     def check_config(self) -> None:
-        if self.cfg.total_slots < 1:
+        cfg = self.cfg
+        if cfg.total_slots < 1:
             raise PlannerError("fsep needs at least one slot per rank")
+        # the stock layout (each expert once, on its stock owner): shared by every plan that keeps it
+        self._stock = Placement(_owner_template(cfg.num_experts, cfg.num_ranks, cfg.slots), cfg.num_experts,
+                                cfg.ranks_per_node, SHARDED, 0)
 
     def plan(self, counts_DE, state=None):
         counts = self.counts(counts_DE)
@@ -41,19 +45,21 @@ class FsepPlanner(PlannerBase):
             # the store sends its shards as they lie and gets gradients back in place (no copies)
             if self.tolerated(int(stock_load_D(counts, D).max(initial=0)), total):
                 return self._stock_plan(counts, load_E), None
-            lean = self._plan(counts, load_E, one_E)
-            if self.tolerated(int(lean.load_D.max(initial=0)), total):
-                return lean, None
+            lean = self._place(load_E, one_E)
+            if self.tolerated(int(lean[3].max(initial=0)), total):  # its rank loads, before any plan is built
+                return self._plan(counts, load_E, one_E, lean), None
         return self._plan(counts, load_E, replica_counts(load_E, D * C, one_E, D)), None
 
     def _stock_plan(self, counts: np.ndarray, load_E: np.ndarray) -> Plan:
         """Every expert once, on its stock owner, in expert order (still materialized from shards)."""
-        cfg = self.cfg
-        slot_DS = _owner_template(cfg.num_experts, cfg.num_ranks, cfg.slots)  # cached, read-only
-        return self._finish(counts, load_E, slot_DS, replicas=cfg.num_experts, unplaced=0)
+        quota = load_E.copy()  # one replica per expert, in expert order
+        quota.flags.writeable = False
+        return Plan.trusted(self._stock, counts, quota, self.name, self._info(self.cfg.num_experts, 0))
 
-    def _plan(self, counts: np.ndarray, load_E: np.ndarray, n_E: np.ndarray) -> Plan:
-        """The plan with n_E replicas of every expert, LPT-placed."""
+    def _place(self, load_E: np.ndarray, n_E: np.ndarray) -> tuple:
+        """n_E replicas of every expert, LPT-placed: (expert, rank (-1: unplaced), tokens) of every
+        replica item (int64 [items] each, heaviest first) and the ranks' loads (int64 [D]; the tokens
+        of unplaced items not counted)."""
         cfg = self.cfg
         D, E, C = cfg.num_ranks, cfg.num_experts, cfg.total_slots
         item_e = np.repeat(np.arange(E, dtype=np.int64), n_E)
@@ -64,6 +70,13 @@ class FsepPlanner(PlannerBase):
         hosted = np.zeros((D, E), dtype=bool)
         free = np.full(D, C, dtype=np.int64)
         item_rank = lpt_place(item_e, item_load, rank_load, hosted, free)
+        return item_e, item_rank, item_load, rank_load
+
+    def _plan(self, counts: np.ndarray, load_E: np.ndarray, n_E: np.ndarray, placed_items=None) -> Plan:
+        """The plan with n_E replicas of every expert, LPT-placed (placed_items: _place's result)."""
+        cfg = self.cfg
+        D, C = cfg.num_ranks, cfg.total_slots
+        item_e, item_rank = (placed_items or self._place(load_E, n_E))[:2]
         placed = item_rank >= 0
         slot_DS = np.full((D, C), -1, dtype=np.int64)
         r, e = item_rank[placed], item_e[placed]
@@ -76,10 +89,14 @@ class FsepPlanner(PlannerBase):
 
     def _finish(self, counts: np.ndarray, load_E: np.ndarray, slot_DS: np.ndarray, replicas: int,
                 unplaced: int) -> Plan:
-        """The plan on slot_DS (int64 [D, C], -1 free): every expert's tokens split evenly over its slots."""
+        """The plan on slot_DS (int64 [D, C], -1 free): every expert's tokens split evenly over its
+        slots. The placement is checked (an LPT bug would show there); the quotas fit the counts by
+        construction (every expert's even split sums to its load)."""
         cfg = self.cfg
         placement = Placement(slot_DS, cfg.num_experts, cfg.ranks_per_node, SHARDED, 0)
         quota = even_quotas(load_E, placement.expert_ptr)
-        return Plan.from_quotas(placement, counts, quota, policy=self.name,
-                                info={"slots_per_rank": cfg.total_slots, "unplaced_replicas": unplaced,
-                                      "replicas": replicas})
+        quota.flags.writeable = False
+        return Plan.trusted(placement, counts, quota, self.name, self._info(replicas, unplaced))
+
+    def _info(self, replicas: int, unplaced: int) -> dict:
+        return {"slots_per_rank": self.cfg.total_slots, "unplaced_replicas": unplaced, "replicas": replicas}

@@ -4,7 +4,8 @@ The placement comes from `cfg.placement`: "static" (owner layout with a fixed, l
 of the R redundant slots, see `static_placement`) or another policy's placement ("eplb", "ultraep",
 "fsep"; that planner runs first and its state is threaded through). Every step the tokens of each
 expert are then split over its replicas to minimize the most loaded rank, exactly, by max-flow
-(planners/flow.py). With solver="highs" (or MEGATRON_RAILS_LP_SOLVER=highs), or if the flow solver
+(planners/flow.py), unless the placement's own quotas already reach a lower bound (then they are
+kept: info solver "bound"). With solver="highs" (or MEGATRON_RAILS_LP_SOLVER=highs), or if the flow solver
 fails, the pulp/HiGHS LP and its integral re-solve at ceil(LP optimum) are used instead.
 
 Legend: D ranks, E experts, R replicas, L owner slots per rank (ceil(E/D)), S redundant slots.
@@ -96,6 +97,11 @@ class LpPlanner(PlannerBase):
         else:
             base_plan, next_state = self.base_planner().plan(counts, state)
             placement, base_info = base_plan.placement, base_plan.info
+            t = _optimal_as_is(base_plan)
+            if t is not None:  # no solver can do better on this placement: its quotas stand
+                info = {"t_int": t, "solver": "bound", "flows": 0, "placement": self.cfg.placement,
+                        "placement_info": base_info}
+                return Plan.trusted(placement, base_plan.counts_DE, base_plan.quota_R, self.name, info), next_state
         quota, info = self.schedule(counts.sum(axis=0), placement)
         info.update(placement=self.cfg.placement, placement_info=base_info)
         return Plan.from_quotas(placement, counts, quota, policy=self.name, info=info), next_state
@@ -118,6 +124,22 @@ class LpPlanner(PlannerBase):
         if fallback is not None:
             info["fallback_reason"] = fallback
         return quota, info
+
+
+def _optimal_as_is(plan: Plan):
+    """The plan's max rank load where its quotas are already optimal on its placement, else None:
+    it reaches the lower bound ceil(total / D) that every split must meet, or no loaded expert has
+    two replicas (then every split is the same). Checked before any solve: the placement's own
+    planner usually gets there (ultraep, whenever its cascade reaches the mean bound)."""
+    load_D = plan.load_D
+    t = int(load_D.max(initial=0))
+    total = int(load_D.sum())
+    if t * load_D.size <= total + load_D.size - 1:  # t <= ceil(total / D)
+        return t
+    p = plan.placement
+    if not np.count_nonzero((p.replicas_per_expert_E >= 2) & (plan.load_E > 0)):
+        return t
+    return None
 
 
 def highs_quotas(load_E: np.ndarray, placement: Placement) -> tuple[np.ndarray, int, float]:

@@ -1,0 +1,192 @@
+/* The token route of a plan, compiled: quotas -> the CSR route (core/route.py `route_csr`), in one
+ * call. Every layer derives it per microbatch before any rank can send, and at Mixtral sizes the
+ * numpy version is a few dozen small calls (tens of microseconds); this is a few microseconds.
+ *
+ * It computes exactly what route.py computes (`split_by_quota`, then `to_csr`): experts served by
+ * one replica take every source's whole count; the others are matched in two north-west-corner
+ * passes over the same streams (supply by (expert, source rank), demand by (expert, replica rank)):
+ * first inside every node up to min(the node's supply, its quota), then the rest across nodes.
+ * Entries are sorted by (source, replica), duplicates summed. tests/test_route_kernel.py checks
+ * bit-identity against the Python definition on random plans. Errors (quotas that do not match the
+ * counts) are left to the Python path, which says what is wrong.
+ *
+ * route_csr(counts, rep_expert, rep_rank, quota, D, E, R, G, ptr, rep_out, tok_out) -> M
+ *   counts      int64 [D, E], C-contiguous (read)
+ *   rep_expert, rep_rank, quota   int64 [R]: replicas in (expert, rank) order (read)
+ *   ptr         int64 [D + 1]          (written)
+ *   rep_out, tok_out  int64 [cap]      (written: M entries; cap >= 3 * D * E + 2 * R)
+ * returns M >= 0, or -1 where the quotas are negative or do not sum to every expert's tokens.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+typedef struct {
+    int64_t key, tok; /* source * R + replica, tokens */
+} entry;
+
+static int cmp_entry(const void *pa, const void *pb) {
+    const entry *a = pa, *b = pb;
+    return (a->key > b->key) - (a->key < b->key);
+}
+
+/* North-west corner of supply a[0..na) against demand b[0..nb) (equal totals, both streams of
+ * one expert), skipping zeros; appends (source, replica, amount) entries. */
+static int64_t nw_corner(const int64_t *a, const int64_t *a_src, int64_t na, const int64_t *b,
+                         const int64_t *b_rep, int64_t nb, int64_t R, entry *out, int64_t m) {
+    int64_t i = 0, j = 0, ra = na ? a[0] : 0, rb = nb ? b[0] : 0;
+    for (;;) {
+        while (i < na && ra == 0) ra = ++i < na ? a[i] : 0;
+        while (j < nb && rb == 0) rb = ++j < nb ? b[j] : 0;
+        if (i >= na || j >= nb) return m;
+        int64_t amt = ra < rb ? ra : rb;
+        out[m].key = a_src[i] * R + b_rep[j], out[m].tok = amt, m++;
+        ra -= amt, rb -= amt;
+    }
+}
+
+/* The share of x[0..n) (in order, grouped by group[], groups contiguous) that fits under each
+ * group's cap: x_loc[i] = clip(cap - (what came before i in its group), 0, x[i]). */
+static void local_part(const int64_t *x, const int64_t *group, int64_t n, const int64_t *cap, int64_t *x_loc) {
+    int64_t before = 0;
+    for (int64_t i = 0; i < n; i++) {
+        if (i == 0 || group[i] != group[i - 1]) before = 0;
+        int64_t room = cap[group[i]] - before;
+        x_loc[i] = room < 0 ? 0 : (room > x[i] ? x[i] : room);
+        before += x[i];
+    }
+}
+
+static int64_t route(const int64_t *counts, const int64_t *rep_e, const int64_t *rep_d, const int64_t *quota,
+                     int64_t D, int64_t E, int64_t R, int64_t G, int64_t *ptr, int64_t *rep_out,
+                     int64_t *tok_out, int *oom) {
+    int64_t V = D / G, m = 0, M = 0, bad = 0;
+    int64_t *iw = malloc(sizeof(int64_t) * (size_t)(3 * E + 1 + 2 * V + 6 * (D + R)));
+    entry *ent = malloc(sizeof(entry) * (size_t)(3 * D * E + 2 * R + 1));
+    if (!iw || !ent) {
+        *oom = 1;
+        free(iw), free(ent);
+        return -1;
+    }
+    int64_t *load = iw, *first = load + E, *npos = first + E + 1, *sup = npos + E, *dem = sup + V;
+    int64_t *a = dem + V, *a_src = a + D, *a_grp = a_src + D, *a_loc = a_grp + D;
+    int64_t *b = a_loc + D, *b_rep = b + R, *b_grp = b_rep + R, *b_loc = b_grp + R;
+    int64_t *a_rest = b_loc + R, *b_rest = a_rest + D;
+    for (int64_t e = 0; e < E; e++) load[e] = 0, npos[e] = 0;
+    for (int64_t d = 0; d < D; d++)
+        for (int64_t e = 0; e < E; e++) load[e] += counts[d * E + e];
+    for (int64_t e = 0, r = 0; e <= E; e++) { /* replicas of expert e: first[e] .. first[e+1]-1 */
+        while (r < R && rep_e[r] < e) r++;
+        first[e] = r;
+    }
+    for (int64_t r = 0; r < R; r++) {
+        if (quota[r] < 0 || rep_e[r] < 0 || rep_e[r] >= E) bad = 1;
+        else if (quota[r] > 0) npos[rep_e[r]]++, load[rep_e[r]] -= quota[r];
+    }
+    for (int64_t e = 0; e < E; e++) bad |= load[e] != 0;
+    if (bad) {
+        free(iw), free(ent);
+        return -1;
+    }
+    for (int64_t e = 0; e < E; e++) {
+        if (npos[e] == 0) continue;
+        int64_t r0 = first[e], r1 = first[e + 1];
+        if (npos[e] == 1) { /* one replica: every source sends its whole count */
+            int64_t r = r0;
+            while (quota[r] == 0) r++;
+            for (int64_t d = 0; d < D; d++)
+                if (counts[d * E + e]) ent[m].key = d * R + r, ent[m].tok = counts[d * E + e], m++;
+            continue;
+        }
+        /* the expert's streams: supply by source rank, demand by its positive replicas (rank order) */
+        int64_t nb = 0;
+        for (int64_t v = 0; v < V; v++) sup[v] = 0, dem[v] = 0;
+        for (int64_t d = 0; d < D; d++) {
+            a[d] = counts[d * E + e], a_src[d] = d, a_grp[d] = d / G;
+            sup[d / G] += a[d];
+        }
+        for (int64_t r = r0; r < r1; r++) {
+            if (quota[r] <= 0) continue;
+            b[nb] = quota[r], b_rep[nb] = r, b_grp[nb] = rep_d[r] / G;
+            dem[b_grp[nb]] += quota[r];
+            nb++;
+        }
+        for (int64_t v = 0; v < V; v++) sup[v] = sup[v] < dem[v] ? sup[v] : dem[v]; /* the caps */
+        local_part(a, a_grp, D, sup, a_loc);
+        local_part(b, b_grp, nb, sup, b_loc);
+        for (int64_t d = 0; d < D; d++) a_rest[d] = a[d] - a_loc[d];
+        for (int64_t j = 0; j < nb; j++) b_rest[j] = b[j] - b_loc[j];
+        m = nw_corner(a_loc, a_src, D, b_loc, b_rep, nb, R, ent, m);
+        m = nw_corner(a_rest, a_src, D, b_rest, b_rep, nb, R, ent, m);
+    }
+    qsort(ent, (size_t)m, sizeof(entry), cmp_entry);
+    for (int64_t d = 0; d <= D; d++) ptr[d] = 0;
+    for (int64_t i = 0; i < m; i++) {
+        if (M && ent[i].key == ent[M - 1].key) { /* the same (source, replica) twice: one entry */
+            ent[M - 1].tok += ent[i].tok;
+            continue;
+        }
+        ent[M++] = ent[i];
+    }
+    for (int64_t i = 0; i < M; i++) {
+        rep_out[i] = ent[i].key % R, tok_out[i] = ent[i].tok;
+        ptr[ent[i].key / R + 1]++;
+    }
+    for (int64_t d = 0; d < D; d++) ptr[d + 1] += ptr[d];
+    free(iw), free(ent);
+    return M;
+}
+
+static int get_buffer(PyObject *obj, Py_buffer *view, Py_ssize_t n, int writable, const char *name) {
+    if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | (writable ? PyBUF_WRITABLE : 0)) < 0) return -1;
+    if (view->itemsize != 8 || view->len < n * 8) {
+        PyErr_Format(PyExc_ValueError, "%s: expected at least %zd int64 values, got %zd bytes", name, n, view->len);
+        PyBuffer_Release(view);
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *route_csr(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 11) {
+        PyErr_SetString(PyExc_TypeError, "route_csr takes 11 arguments");
+        return NULL;
+    }
+    int64_t D = PyLong_AsLongLong(args[4]), E = PyLong_AsLongLong(args[5]);
+    int64_t R = PyLong_AsLongLong(args[6]), G = PyLong_AsLongLong(args[7]);
+    if (PyErr_Occurred()) return NULL;
+    if (D < 1 || E < 1 || R < 1 || G < 1 || D % G) {
+        PyErr_SetString(PyExc_ValueError, "route_csr: bad sizes");
+        return NULL;
+    }
+    Py_buffer v[7];
+    const char *names[7] = {"counts", "rep_expert", "rep_rank", "quota", "ptr", "rep_out", "tok_out"};
+    const int64_t sizes[7] = {D * E, R, R, R, D + 1, 3 * D * E + 2 * R, 3 * D * E + 2 * R};
+    const int slot[7] = {0, 1, 2, 3, 8, 9, 10};
+    int got = 0;
+    for (; got < 7; got++)
+        if (get_buffer(args[slot[got]], &v[got], sizes[got], got >= 4, names[got])) break;
+    int64_t M = -1;
+    int oom = 0;
+    if (got == 7) {
+        Py_BEGIN_ALLOW_THREADS
+        M = route(v[0].buf, v[1].buf, v[2].buf, v[3].buf, D, E, R, G, v[4].buf, v[5].buf, v[6].buf, &oom);
+        Py_END_ALLOW_THREADS
+    }
+    for (int i = 0; i < got; i++) PyBuffer_Release(&v[i]);
+    if (got < 7) return NULL;
+    if (oom) return PyErr_NoMemory();
+    return PyLong_FromLongLong(M);
+}
+
+static PyMethodDef methods[] = {
+    {"route_csr", (PyCFunction)(void (*)(void))route_csr, METH_FASTCALL,
+     "a plan's CSR token route from its quotas (see the module source)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, .m_name = "_route_c", .m_size = -1, .m_methods = methods};
+
+PyMODINIT_FUNC PyInit__route_c(void) { return PyModule_Create(&module); }

@@ -1,0 +1,91 @@
+"""Where `bench local`'s time goes, step by step: for every policy x skew case of one shape, each timed
+step's median (to the device sync and to the call's return), the kernels and torch ops it runs
+(torch.profiler: device time and host time per op) and the host's Python functions (cProfile), and
+the planner's time with ultraep's compiled kernel and without.
+
+    python scripts/profile_local.py [--shape mixtral-8x22b] [--device cuda] [--reps 30] [--out DIR]
+
+Writes DIR/profile.txt (the tables) and prints a one-line summary per case. A development tool:
+the figures the issue asks for come from `megatron-rails bench local`.
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import os
+import pstats
+import statistics
+import sys
+
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from megatron_rails.bench.local import POLICIES, SHAPES, SKEWS, _timed, case  # noqa: E402
+
+
+def _python_profile(fn, sync, calls: int = 100, rows: int = 16) -> str:
+    """The host's Python functions under fn, per call of fn in microseconds: own time, with callees."""
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(calls):
+        fn()
+    sync()
+    pr.disable()
+    st = pstats.Stats(pr).stats
+    top = sorted(st.items(), key=lambda kv: -kv[1][2])[:rows]
+    out = [f"{'own us':>8s} {'cum us':>8s} {'calls':>6s}  function"]
+    for (path, line, name), (_, nc, tt, ct, _) in top:
+        out.append(f"{tt / calls * 1e6:8.1f} {ct / calls * 1e6:8.1f} {nc / calls:6.1f}  "
+                   f"{os.path.basename(path)}:{line}({name})")
+    return "\n".join(out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", default="mixtral-8x22b", choices=sorted(SHAPES))
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--policies", nargs="+", default=POLICIES)
+    ap.add_argument("--out", default=".")
+    a = ap.parse_args()
+    dev = torch.device(a.device)
+    sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
+    os.makedirs(a.out, exist_ok=True)
+    rep = open(os.path.join(a.out, "profile.txt"), "w")
+
+    def say(*xs):
+        print(*xs, file=rep, flush=True)
+
+    shape = SHAPES[a.shape]
+    acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+    for skew in SKEWS:  # warm every case (kernels compiled, clocks up)
+        for policy in a.policies:
+            case(policy, skew, shape, torch.bfloat16, dev, 2)
+    for skew in SKEWS:
+        for policy in a.policies:
+            line = [f"{policy:8s} {skew:9s}"]
+            for compiled in ("1", "0"):
+                os.environ["MEGATRON_RAILS_PURE_PYTHON"] = "0" if compiled == "1" else "1"
+                plan_us, steps, facts = case(policy, skew, shape, torch.bfloat16, dev, a.reps)
+                line.append(f"plan[{'C' if compiled == '1' else 'py'}] {statistics.median(plan_us):6.1f}")
+            os.environ.pop("MEGATRON_RAILS_PURE_PYTHON")
+            say(f"\n======== {policy} {skew} {facts}")
+            for name, fn in steps.items():
+                full, host = _timed(fn, a.reps, sync)
+                line.append(f"{name} {statistics.median(full):6.1f}/{statistics.median(host):5.1f}")
+                say(f"\n---- {name}: full p50 {statistics.median(full):.1f} us, host p50 {statistics.median(host):.1f} us")
+                with torch.profiler.profile(activities=acts) as prof:
+                    for _ in range(10):
+                        fn()
+                    sync()
+                say(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18, max_name_column_width=48))
+                say(_python_profile(fn, sync))
+            print("  ".join(line), flush=True)
+            say("SUMMARY " + "  ".join(line))
+    rep.close()
+
+
+if __name__ == "__main__":
+    main()
