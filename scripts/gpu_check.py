@@ -358,11 +358,49 @@ def _send_order_paths(a) -> bool:
     return True
 
 
+def _gather_sum(a) -> bool:
+    """On CUDA with Triton: the combine's gather-sum kernel against torch's gather and [k, T, H]
+    sum, bit for bit, bf16 / fp16 / fp32 at Mixtral widths, for the k it serves (a mismatch fails
+    the check); for k up to 8 it also reports whether the two agree (evidence for serving more)."""
+    import numpy as np
+
+    from megatron_rails.runtime import local_triton
+
+    dev = torch.device(a.device)
+    if dev.type != "cuda" or not local_triton.available():
+        print("gpu_check: combine gather-sum: no CUDA Triton here, skipped", flush=True)
+        return True
+    rng = np.random.default_rng(0)
+    agree = {}
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        for k in range(1, 9):
+            for T, H in ((4096, 4096), (1024, 6144), (333, 1000)):
+                y = torch.randn(k * T + 3, H, device=dev).to(dtype)
+                by = torch.from_numpy(rng.permutation(k * T + 3)[:k * T]).to(dev)
+                want = y.index_select(0, by)
+                want = want if k == 1 else want.view(k, T, H).sum(0)
+                saved = local_triton.GATHER_SUM_MAX_K
+                local_triton.GATHER_SUM_MAX_K = 8  # the kernel itself, beyond what it serves too
+                try:
+                    same = torch.equal(local_triton.gather_sum(y, by, k), want)
+                finally:
+                    local_triton.GATHER_SUM_MAX_K = saved
+                agree[k] = agree.get(k, True) and same
+                if not same and k <= local_triton.GATHER_SUM_MAX_K:
+                    print(f"gpu_check: FAILED: the Triton gather-sum differs from torch's: {dtype}, k={k}, "
+                          f"T={T}, H={H}", flush=True)
+                    return False
+    per_k = ", ".join(f"{k}: {'same' if v else 'differs'}" for k, v in agree.items())
+    print(textwrap.fill("gpu_check: combine gather-sum (Triton) equals torch's bit for bit for k <= "
+                        f"{local_triton.GATHER_SUM_MAX_K} (bf16, fp16, fp32); per k up to 8: {per_k}", 80), flush=True)
+    return True
+
+
 def main(argv=None) -> int:
     a = _parse(argv)
     import torch.multiprocessing as mp
 
-    if not _send_order_paths(a):
+    if not (_send_order_paths(a) and _gather_sum(a)):
         return 1
 
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:

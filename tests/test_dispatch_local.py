@@ -7,8 +7,9 @@ import torch
 
 from megatron_rails.bench.local import bench_local
 from megatron_rails.core.policy import PolicyConfig
-from megatron_rails.runtime.local import (order_pairs, order_pairs_on_device, pairs_per_token_range, receive_order,
-                                          rows, rows_back, segment_order, sum_pairs, token_rows)
+from megatron_rails.runtime import local as local_mod
+from megatron_rails.runtime.local import (MAX_RUNS, Runs, order_pairs, order_pairs_on_device, pairs_per_token_range,
+                                          receive_order, rows, rows_back, segment_order, sum_pairs, token_rows)
 from megatron_rails.core.planners import make_planner
 
 POLICIES = ["none", "eplb", "ultraep", "lp", "fsep"]
@@ -89,8 +90,20 @@ def test_order_pairs_and_sum_pairs(policy):
         np.testing.assert_allclose(sum_pairs(y, so, T).numpy(), ref, rtol=1e-12, atol=1e-12)
 
 
+def same_order(a, b) -> bool:
+    """Two receive orders (Runs, permutation tensors or None) are the same reordering."""
+    if a is None or b is None:
+        return a is None and b is None
+    if isinstance(a, Runs) or isinstance(b, Runs):
+        return a == b
+    return torch.equal(a, b)
+
+
+@pytest.mark.parametrize("max_runs", [MAX_RUNS, 0])
 @pytest.mark.parametrize("policy", POLICIES)
-def test_receive_order_groups_rows_by_slot(policy):
+def test_receive_order_groups_rows_by_slot(policy, max_runs, monkeypatch):
+    """By runs (split + cat) or, beyond MAX_RUNS runs, by a permutation: the same grouping."""
+    monkeypatch.setattr(local_mod, "MAX_RUNS", max_runs)
     rng = np.random.default_rng(7 + hash(policy) % 1000)
     for _ in range(40):
         rmap, _ = _routing(rng, int(rng.integers(1, 40)), int(rng.integers(0, 3)))
@@ -108,6 +121,7 @@ def test_receive_order_groups_rows_by_slot(policy):
                 labels += [(src, slot)] * n
         x = torch.tensor([s * 1000 + d for d, s in labels], dtype=torch.int64)
         order, inverse, per_slot = receive_order(plan, me, torch.device("cpu"))
+        assert order is None or isinstance(order, Runs) == bool(max_runs)
         grouped = rows(x, order)
         assert np.array_equal(per_slot, np.bincount([s for _, s in labels], minlength=p.slots_per_rank))
         # slot-major, source order kept within a slot
@@ -132,7 +146,7 @@ def test_send_order_brings_the_receive_order_along(path, monkeypatch):
             got = send_order(plan, me, rmap, probs, uniform=False, receive=True).receive
             want = receive_order(plan, me, torch.device("cpu"))
             for g, w in zip(got[:2], want[:2]):
-                assert (g is None and w is None) or torch.equal(g, w)
+                assert same_order(g, w)
             assert np.array_equal(got[2], want[2])
 
 
@@ -299,6 +313,41 @@ def test_rows_back_against_concatenate_then_gather(dtype):
             assert rows_back(parts, None).data_ptr() == lone.data_ptr()  # nothing copied
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_runs_reorder_and_put_back_against_a_gather(dtype):
+    """rows(x, runs) equals a gather by the runs' permutation (segment_order), rows_back undoes it
+    from parts cut at run boundaries (a zero-row part among them), and both backwards give the
+    gradients autograd of the gathers gives."""
+    rng = np.random.default_rng(9)
+    for it in range(60):
+        n_runs = int(rng.integers(1, 9))
+        sizes = rng.integers(1, 5, n_runs)
+        take = rng.permutation(n_runs)
+        runs = Runs(tuple(sizes.tolist()), tuple(take.tolist()))
+        perm = torch.from_numpy(segment_order(sizes, take))
+        Q = int(sizes.sum())
+        x = torch.randn(Q, 3, dtype=torch.float64).to(dtype).requires_grad_()
+        w = torch.randn(Q, 3, dtype=torch.float64).to(dtype)
+        got, ref = rows(x, runs), x[perm]
+        assert torch.equal(got, ref)
+        assert torch.equal(*(torch.autograd.grad((r * w).sum(), x)[0] for r in (got, ref)))
+        assert torch.equal(rows(x.detach(), runs), ref)
+        # parts of the slot-ordered rows at run boundaries, a zero-row part (an anchor) at the end
+        cut = sorted(rng.choice(np.arange(1, n_runs), size=int(rng.integers(0, n_runs)), replace=False).tolist()) \
+            if n_runs > 1 else []
+        ends = np.cumsum([runs.sizes[i] for i in runs.take])
+        bounds = [0] + [int(ends[c - 1]) for c in cut] + [Q]
+        y = torch.randn(Q, 3, dtype=torch.float64).to(dtype)
+        parts = [y[a:b].clone().requires_grad_() for a, b in zip(bounds[:-1], bounds[1:])]
+        parts.append(torch.zeros(0, 3, dtype=dtype, requires_grad=True))
+        inv = torch.empty_like(perm)
+        inv[perm] = torch.arange(Q)
+        got, ref = rows_back(parts, runs), torch.cat(parts)[inv]
+        assert torch.equal(got, ref) and torch.equal(rows_back([p.detach() for p in parts], runs), ref)
+        have, want = (torch.autograd.grad((r * w).sum(), parts) for r in (got, ref))
+        assert all(torch.equal(a, b) for a, b in zip(have, want))
+
+
 def _uniform_order(rng, policy, T, k):
     rmap, probs = _routing(rng, T, k)
     me = int(rng.integers(D))
@@ -333,8 +382,7 @@ import numpy as np, torch
 sys.path.insert(0, {tests!r})
 from test_dispatch_local import _routing, _plan, POLICIES, D, E
 from megatron_rails.runtime.local import order_pairs, order_pairs_triton, pairs_per_token_range, receive_order
-def same(a, b):
-    return (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
+from test_dispatch_local import same_order as same
 cases = 0
 for policy in POLICIES:
     rng = np.random.default_rng(hash(policy) % 2**32)
@@ -357,6 +405,47 @@ for policy in POLICIES:
         cases += 1
 print("triton send order matches", cases)
 """
+
+
+_GATHER_SUM_CHECK = """
+import numpy as np, torch
+from megatron_rails.runtime.local_triton import gather_sum, gather_sum_fits
+rng = np.random.default_rng(3)
+cases = 0
+for dtype in (torch.float16, torch.float32):
+    for k in (1, 2):
+        for T, H in ((0, 8), (1, 1), (7, 5), (33, 64), (20, 1500)):
+            P = k * T + int(rng.integers(0, 4))  # rows no token reads too (a dump row)
+            y = (torch.randn(P, H, dtype=torch.float64) * 100).to(dtype)
+            by = torch.from_numpy(np.concatenate([rng.permutation(P)[:k * T]]) if T else np.zeros(0, dtype=np.int64))
+            assert gather_sum_fits(y, k)
+            want = y.index_select(0, by)
+            want = want if k == 1 else want.view(k, T, H).sum(0)
+            got = gather_sum(y, by, k)
+            assert got.dtype == dtype and torch.equal(got, want), (dtype, k, T, H)
+            cases += 1
+assert not gather_sum_fits(torch.zeros(4, 3, dtype=torch.float64), 2)
+assert not gather_sum_fits(torch.zeros(4, 3), 3)
+assert not gather_sum_fits(torch.zeros(3, 4).T, 2)
+print("gather-sum matches", cases)
+"""
+
+
+def test_triton_gather_sum_matches_torch():
+    """The combine's Triton gather-sum under Triton's interpreter on CPU: torch's gather and
+    [k, T, H] sum bit for bit (k = 1, 2; fp16, fp32; widths across block boundaries). bf16 is
+    checked on a GPU (scripts/gpu_check.py): the interpreter rounds float32 to bf16 its own way (ties
+    away from even), where the GPU's conversion rounds to nearest even as torch does."""
+    pytest.importorskip("triton")
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    out = subprocess.run([sys.executable, "-c", _GATHER_SUM_CHECK], env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "gather-sum matches 20" in out.stdout
 
 
 def test_triton_send_order_matches_the_host_order():

@@ -260,14 +260,16 @@ def order_pairs_triton(plan, me: int, routing_map: torch.Tensor, probs: torch.Te
     runs_of_me = _runs(plan, me)
     runs, n_M, expert_M = runs_of_me[0], runs_of_me[1], runs_of_me[4]
     P, M = int(n_M.sum()), n_M.size
-    order_N, per_slot = receive_order_host(plan, me) if receive else (None, None)
     if P == 0:
         none = torch.zeros(0, dtype=torch.int64, device=dev)
         so = _send_order(plan, me, runs_of_me, none, routing_map, probs, uniform)
         if receive:
-            so.receive = (None, None, per_slot) if order_N is None else (*permutation_and_inverse(order_N, dev), per_slot)
+            so.receive = receive_order(plan, me, dev)
         return so
-    n_table, Q = E + 1 + 3 * M, 0 if order_N is None else order_N.size
+    n_table, Q = E + 1 + 3 * M, 0
+    order_N, per_slot = receive_order_host(plan, me) if receive else (None, None)
+    if isinstance(order_N, np.ndarray):  # many runs: the permutation travels with the table
+        Q = order_N.size
     staged = _host_rows(n_table + 2 * Q, dev, rows=1)[0]
     table_np = staged.numpy()
     first_E, lo_M, hi_M, base_M = np.split(table_np[:n_table], [E + 1, E + 1 + M, E + 1 + 2 * M])
@@ -286,7 +288,10 @@ def order_pairs_triton(plan, me: int, routing_map: torch.Tensor, probs: torch.Te
         routing_map, on_dev[:n_table], M, int(np.diff(first_E).max()), P, k)
     so = _assemble(plan, me, runs_of_me, token_P, _pair_probs(probs, flat_P), by_token, T)
     if receive:
-        so.receive = (on_dev[n_table:n_table + Q], on_dev[n_table + Q:], per_slot) if Q else (None, None, per_slot)
+        if Q:
+            so.receive = (on_dev[n_table:n_table + Q], on_dev[n_table + Q:], per_slot)
+        else:
+            so.receive = (order_N, None if order_N is None else order_N.inverse(), per_slot)
     return so
 
 
@@ -308,10 +313,30 @@ def token_rows(x_TH: torch.Tensor, so: SendOrder) -> torch.Tensor:
 
 
 def _gather_sum(y_P: torch.Tensor, by_token: torch.Tensor, k: int) -> torch.Tensor:
-    """[T, H]: sum over j of y_P[by_token[j * T + t]] (k-major table; one gather, then a sum over
-    the outermost dim, which reads rows whole)."""
+    """[T, H]: sum over j of y_P[by_token[j * T + t]] (k-major table). On the Triton path (CUDA,
+    k <= 2) one kernel, bit-identical; else one gather, then a sum over the outermost dim, which
+    reads rows whole."""
+    if k > 1 and _fused_sum(y_P, k):
+        from .local_triton import KernelUnavailable, gather_sum
+
+        try:
+            return gather_sum(y_P, by_token, k)
+        except KernelUnavailable as err:
+            if os.environ.get(SEND_ORDER_ENV, "auto") != "auto":
+                raise err.__cause__ from None
+            _triton_failed(err.__cause__, "gather-sum")
     g = y_P.index_select(0, by_token)
     return g if k == 1 else g.view(k, by_token.numel() // k, *y_P.shape[1:]).sum(0)
+
+
+def _fused_sum(y_P: torch.Tensor, k: int) -> bool:
+    """Whether the combine's gather-sum takes the Triton kernel: the send order's path is Triton
+    for this device (send_order_path) and the kernel serves this dtype, layout and k."""
+    if send_order_path(y_P) != "triton":
+        return False
+    from .local_triton import gather_sum_fits
+
+    return gather_sum_fits(y_P, k)
 
 
 class _SumPairs(torch.autograd.Function):
@@ -336,10 +361,35 @@ class _TokenRows(torch.autograd.Function):
         return _gather_sum(grad_P, ctx.by_token, ctx.k), None, None, None
 
 
-def receive_order_host(plan, me: int) -> tuple[Optional[np.ndarray], np.ndarray]:
-    """The rows this rank receives arrive source-major, slot-minor. Returns (order, per_slot): the
-    permutation that groups them by slot (int64 [Q], stable within a slot; None where the rows
-    already arrive grouped) and the rows per slot (int64 [S])."""
+MAX_RUNS = 256  # received runs regrouped by split + cat up to this many; beyond, by an index gather
+
+
+@dataclass(frozen=True)
+class Runs:
+    """A reordering of rows by whole runs: the rows cut into consecutive runs of `sizes` (in input
+    order), then taken in the order `take` (indices into sizes). Megatron-Core's sort_chunks_by_idxs
+    reorders its received chunks the same way: one split, one concatenation, no index tensor."""
+    sizes: tuple
+    take: tuple
+
+    def inverse(self) -> "Runs":
+        """The reordering that undoes this one."""
+        back = [0] * len(self.take)
+        for j, i in enumerate(self.take):
+            back[i] = j
+        return Runs(tuple(self.sizes[i] for i in self.take), tuple(back))
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        """x [N, ...] (N = sum(sizes)) reordered; no autograd of its own (see `rows`)."""
+        chunks = x.split(self.sizes)
+        return torch.cat([chunks[i] for i in self.take])
+
+
+def receive_order_host(plan, me: int) -> tuple:
+    """The rows this rank receives arrive source-major, slot-minor. Returns (order, per_slot): how
+    to group them by slot, stable within a slot (Runs: one run per (source, slot), up to MAX_RUNS
+    of them; beyond, a permutation int64 [Q]; None where the rows already arrive grouped), and the
+    rows per slot (int64 [S])."""
     p = plan.placement
     ptr, rep_M, tok_M = plan.route
     mine = np.flatnonzero(p.replica_rank_R[rep_M] == me)  # route entries into this rank: its runs
@@ -351,28 +401,49 @@ def receive_order_host(plan, me: int) -> tuple[Optional[np.ndarray], np.ndarray]
     if (np.diff(slot_m[arrive]) >= 0).all():  # the rows already arrive grouped by slot
         return None, per_slot
     # the received runs taken slot-major (source order kept within a slot)
-    return segment_order(tok_M[mine][arrive], np.argsort(slot_m[arrive], kind="stable")), per_slot
+    sizes, take = tok_M[mine][arrive], np.argsort(slot_m[arrive], kind="stable")
+    if sizes.size <= MAX_RUNS:
+        return Runs(tuple(sizes.tolist()), tuple(take.tolist())), per_slot
+    return segment_order(sizes, take), per_slot
 
 
-def receive_order(plan, me: int, device) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor], np.ndarray]:
-    """receive_order_host's permutation and its inverse as int64 tensors on `device` (both None
-    where the rows already arrive grouped), and the rows per slot."""
+def receive_order(plan, me: int, device) -> tuple:
+    """receive_order_host's reordering and its inverse, for `rows` and `rows_back`: Runs, or int64
+    tensors on `device` (a permutation: many runs); both None where the rows already arrive
+    grouped. Then the rows per slot."""
     order, per_slot = receive_order_host(plan, me)
     if order is None:
         return None, None, per_slot
+    if isinstance(order, Runs):
+        return order, order.inverse(), per_slot
     return (*permutation_and_inverse(order, device), per_slot)
 
 
-def rows(x: torch.Tensor, index: Optional[torch.Tensor], inverse: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """x reordered by index (None: as is). Given the inverse permutation too, the backward is a
-    gather by it instead of a scatter-add into zeros."""
+def rows(x: torch.Tensor, index, inverse=None) -> torch.Tensor:
+    """x reordered by index: Runs, or a permutation tensor (None: as is). A permutation's backward is
+    a gather by its inverse where that is given (else a scatter-add into zeros); Runs' the inverse
+    Runs."""
     if index is None:
         return x
-    if not (x.requires_grad and torch.is_grad_enabled()):
+    grad = x.requires_grad and torch.is_grad_enabled()
+    if isinstance(index, Runs):
+        return _TakeRuns.apply(x, index) if grad else index.apply(x)
+    if not grad:
         return x.index_select(0, index)  # a row gather (x[index] takes the elementwise indexing kernel)
     if inverse is None:
         return x[index]
     return _PermuteRows.apply(x, index, inverse)
+
+
+class _TakeRuns(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, runs):
+        ctx.runs = runs
+        return runs.apply(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.runs.inverse().apply(grad), None
 
 
 class _PermuteRows(torch.autograd.Function):
@@ -398,19 +469,52 @@ def _words(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def rows_back(parts: list, order: Optional[torch.Tensor]) -> torch.Tensor:
+def rows_back(parts: list, order) -> torch.Tensor:
     """The rows of `parts` (each [n_i, H], together the received rows in slot order, same dtype)
-    put back in received order: out[order[j]] = cat(parts)[j]; order None: the slot order is the
-    received order (no copy where one part holds every row: the result is then a view of that
-    part, not to be written in place). One write of every row (no concatenated copy first), and a
-    gather per part in the backward. Every part gets a gradient, zero-row ones too (an autograd
-    anchor must run)."""
+    put back in received order, undoing `rows(x, order)`: for a permutation out[order[j]] =
+    cat(parts)[j] (one indexed write of every row, a gather per part in the backward); for Runs
+    the parts cut at run boundaries and concatenated in received order (one concatenation, one in
+    the backward); order None: the slot order is the received order (no copy where one part holds
+    every row: the result is then a view of that part, not to be written in place). Every part gets
+    a gradient, zero-row ones too (an autograd anchor must run)."""
     if order is None:
         if len(parts) == 1:
             return parts[0]
         if sum(1 for p in parts if p.shape[0]) > 1:
             return torch.cat(parts)
+    if isinstance(order, Runs):
+        if any(p.requires_grad for p in parts) and torch.is_grad_enabled():
+            return _RunsBack.apply(order, *parts)
+        return _runs_back(order, parts)
     return _RowsBack.apply(order, *parts)
+
+
+def _runs_back(runs: Runs, parts) -> torch.Tensor:
+    """cat(parts) reordered by runs.inverse(), without concatenating the parts first: each part is
+    cut into the runs it holds (parts hold whole runs: a part is one or more whole slots)."""
+    inv = runs.inverse()
+    chunks, j = [], 0
+    for p in parts:
+        n, k = p.shape[0], j
+        while n > 0:
+            n -= inv.sizes[k]
+            k += 1
+        if n:
+            raise ValueError(f"rows_back: a part of {p.shape[0]} rows does not end at a run boundary")
+        chunks += p.split(inv.sizes[j:k]) if k > j else []
+        j = k
+    return torch.cat([chunks[i] for i in inv.take])
+
+
+class _RunsBack(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, runs, *parts):
+        ctx.runs, ctx.sizes = runs, [p.shape[0] for p in parts]
+        return _runs_back(runs, parts)
+
+    @staticmethod
+    def backward(ctx, grad):  # slot order again (one concatenation), then every part's rows: views
+        return (None, *ctx.runs.apply(grad).split(ctx.sizes))
 
 
 class _RowsBack(torch.autograd.Function):
@@ -447,18 +551,19 @@ SEND_ORDER_ENV = "MEGATRON_RAILS_SEND_ORDER"  # auto, triton, device, host
 _TRITON_BROKEN: list = []  # the error, once the Triton kernel failed to build or launch here
 
 
-def _triton_failed(err: Exception) -> None:
-    """The Triton kernel's first launch failed (no compiler for this GPU, a driver mismatch): warn
-    once and leave the send order to torch ops from then on."""
+def _triton_failed(err: Exception, what: str = "send-order") -> None:
+    """A Triton kernel's first launch failed (no compiler for this GPU, a driver mismatch): warn
+    once and leave the send order and the combine's sum to torch ops from then on."""
     _TRITON_BROKEN.append(err)
     first = str(err).splitlines()[0] if str(err) else ""
-    warnings.warn(f"megatron-rails: the Triton send-order kernel failed on first use ({type(err).__name__}: "
-                  f"{first}); the send order is made by torch ops instead (slower; {SEND_ORDER_ENV}=device "
-                  f"says so explicitly)", RuntimeWarning, stacklevel=3)
+    warnings.warn(f"megatron-rails: the Triton {what} kernel failed on first use ({type(err).__name__}: "
+                  f"{first}); the send order and the combine's sum are made by torch ops instead (slower; "
+                  f"{SEND_ORDER_ENV}=device says so explicitly)", RuntimeWarning, stacklevel=3)
 
 
 def send_order_path(routing_map: torch.Tensor) -> str:
-    """Which path send_order takes for this map: triton, device or host."""
+    """Which path send_order takes for this map (a tensor on the device in question): triton,
+    device or host. The combine's gather-sum follows it (Triton's kernel on the triton path)."""
     how = os.environ.get(SEND_ORDER_ENV, "auto")
     if how not in ("auto", "triton", "device", "host"):
         raise ValueError(f"{SEND_ORDER_ENV}={how!r}: expected auto, triton, device or host")

@@ -1,11 +1,15 @@
-"""The send order in one GPU kernel (Triton), for CUDA maps where Triton is importable.
+"""The send order in one GPU kernel (Triton), for CUDA maps where Triton is importable; and the
+combine's gather-and-sum of every token's expert outputs in one kernel.
 
 runtime/local.order_pairs_on_device makes the same tensors from about ten torch ops; at Mixtral
 shapes each op costs more host time than its kernel takes on the GPU, so this path launches three:
 the map transposed and scanned per expert (torch), then one program per block of tokens that
 looks up each routed pair's run in the per-plan table and writes its token, flat index and send
 position. Integer values only, so it is bit-identical to the torch paths (tests run it under
-Triton's interpreter on CPU against the host path, tensor for tensor).
+Triton's interpreter on CPU against the host path, tensor for tensor). The gather-sum reads each
+token's k rows and writes their sum, accumulated in float32 and rounded once, as torch's gather and
+[k, T, H] sum do (two kernels and a [k*T, H] intermediate); bit-identical to that for k <= 2, where
+the order of the additions cannot matter (GATHER_SUM_MAX_K).
 
 Shape letters: docs/architecture.md (glossary). T local tokens, E experts, k pairs per token when
 uniform, P pairs this rank sends, M this rank's route entries (runs).
@@ -98,3 +102,53 @@ def send_order_tensors(routing_map: torch.Tensor, table: torch.Tensor, M: int, r
     if not _LAUNCHED:
         _LAUNCHED.append(True)
     return token_P, flat_P, (by_token if k else None)
+
+
+GATHER_SUM_MAX_K = 2  # beyond, the sum's order of additions could differ from torch's reduction
+GATHER_SUM_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@functools.cache
+def _gather_sum_kernel():
+    @triton.jit(do_not_specialize=["T", "H"])
+    def gather_sum_kernel(y_ptr, by_ptr, out_ptr, T, H, K: tl.constexpr, BH: tl.constexpr):
+        t = tl.program_id(0)
+        h = tl.program_id(1) * BH + tl.arange(0, BH)
+        inside = h < H
+        acc = tl.zeros([BH], dtype=tl.float32)
+        for j in tl.static_range(K):
+            row = tl.load(by_ptr + j * T + t)
+            acc += tl.load(y_ptr + row * H + h, mask=inside, other=0).to(tl.float32)
+        tl.store(out_ptr + t.to(tl.int64) * H + h, acc.to(out_ptr.dtype.element_ty), mask=inside)
+
+    return gather_sum_kernel
+
+
+def gather_sum_fits(y_P: torch.Tensor, k: int) -> bool:
+    """Whether gather_sum serves these rows: k <= GATHER_SUM_MAX_K, a 2-D contiguous float32 / bf16 /
+    fp16 tensor."""
+    return 1 <= k <= GATHER_SUM_MAX_K and y_P.dim() == 2 and y_P.dtype in GATHER_SUM_DTYPES and y_P.is_contiguous()
+
+
+def gather_sum(y_P: torch.Tensor, by_token: torch.Tensor, k: int) -> torch.Tensor:
+    """[T, H]: sum over j < k of y_P[by_token[j * T + t]] (by_token int64 [k*T], k-major), in one
+    kernel; gather_sum_fits(y_P, k) must hold."""
+    T, H = by_token.numel() // k, y_P.shape[1]
+    out = torch.empty((T, H), dtype=y_P.dtype, device=y_P.device)
+    if T == 0 or H == 0:
+        return out
+    BH = min(1024, triton.next_power_of_2(H))
+    try:
+        _gather_sum_kernel()[(T, triton.cdiv(H, BH))](y_P, by_token, out, T, H, K=k, BH=BH)
+    except torch.OutOfMemoryError:
+        raise
+    except Exception as err:  # noqa: BLE001  (as send_order_tensors: a first launch's failure is the kernel's)
+        if _SUM_LAUNCHED:
+            raise
+        raise KernelUnavailable(str(err)) from err
+    if not _SUM_LAUNCHED:
+        _SUM_LAUNCHED.append(True)
+    return out
+
+
+_SUM_LAUNCHED: list = []
