@@ -1,7 +1,6 @@
 """Where `bench local`'s time goes, step by step: for every policy x skew case of one shape, each timed
 step's median (to the device sync and to the call's return), the kernels and torch ops it runs
-(torch.profiler: device time and host time per op) and the host's Python functions (cProfile), and
-the planner's time with ultraep's compiled kernel and without.
+(torch.profiler: device time and host time per op) and the host's Python functions (cProfile).
 
     python scripts/profile_local.py [--shape mixtral-8x22b] [--device cuda] [--reps 30] [--out DIR]
 
@@ -22,7 +21,7 @@ import torch
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from megatron_rails.bench.local import POLICIES, SHAPES, SKEWS, _timed, case  # noqa: E402
+from megatron_rails.bench.local import POLICIES, SHAPES, SKEWS, _rounds, case  # noqa: E402
 
 
 def _python_profile(fn, sync, calls: int = 100, rows: int = 16) -> str:
@@ -62,20 +61,17 @@ def main() -> None:
     acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if dev.type == "cuda" else [])
     for skew in SKEWS:  # warm every case (kernels compiled, clocks up)
         for policy in a.policies:
-            case(policy, skew, shape, torch.bfloat16, dev, 2)
+            _rounds(case(policy, skew, shape, torch.bfloat16, dev)[0], 2, sync)
     for skew in SKEWS:
         for policy in a.policies:
             line = [f"{policy:8s} {skew:9s}"]
-            for compiled in ("1", "0"):
-                os.environ["MEGATRON_RAILS_PURE_PYTHON"] = "0" if compiled == "1" else "1"
-                plan_us, steps, facts = case(policy, skew, shape, torch.bfloat16, dev, a.reps)
-                line.append(f"plan[{'C' if compiled == '1' else 'py'}] {statistics.median(plan_us):6.1f}")
-            os.environ.pop("MEGATRON_RAILS_PURE_PYTHON")
+            steps, facts = case(policy, skew, shape, torch.bfloat16, dev)
+            full, host = _rounds(steps, a.reps, sync)
             say(f"\n======== {policy} {skew} {facts}")
             for name, fn in steps.items():
-                full, host = _timed(fn, a.reps, sync)
-                line.append(f"{name} {statistics.median(full):6.1f}/{statistics.median(host):5.1f}")
-                say(f"\n---- {name}: full p50 {statistics.median(full):.1f} us, host p50 {statistics.median(host):.1f} us")
+                line.append(f"{name} {statistics.median(full[name]):6.1f}/{statistics.median(host[name]):5.1f}")
+                say(f"\n---- {name}: full p50 {statistics.median(full[name]):.1f} us, "
+                    f"host p50 {statistics.median(host[name]):.1f} us")
                 with torch.profiler.profile(activities=acts) as prof:
                     for _ in range(10):
                         fn()

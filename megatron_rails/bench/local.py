@@ -54,28 +54,10 @@ def routing(shape: dict, s: float, seed: int, device) -> tuple[torch.Tensor, tor
     return (probs > 0).to(device), probs.to(device)
 
 
-def _timed(fn, reps: int, sync) -> tuple[list[float], list[float]]:
-    """Microseconds per call of fn (after its warm-up calls), one figure per call: from a synced
-    device to the sync after the call, and to the call's return (the host's share: queuing the
-    work; on a GPU the rest is waiting for it)."""
-    for _ in range(3):
-        fn()
-    full, host = [], []
-    for _ in range(reps):
-        sync()
-        t0 = time.perf_counter()
-        fn()
-        t1 = time.perf_counter()
-        sync()
-        full.append((time.perf_counter() - t0) * 1e6)
-        host.append((t1 - t0) * 1e6)
-    return full, host
-
-
-def case(policy: str, skew: str, shape: dict, dtype, device, reps: int) -> tuple:
-    """One policy x skew case, ready to time: (the planner's per-call microseconds over `reps`
-    plans, the six timed steps by name (this project's dispatch, regroup, combine; Megatron-Core's),
-    facts of the case for the JSON row). Checks that the send order holds exactly the routed pairs."""
+def case(policy: str, skew: str, shape: dict, dtype, device) -> tuple:
+    """One policy x skew case, ready to time: the seven timed steps by name (the plan, with its
+    route and split sizes; this project's dispatch, regroup, combine; Megatron-Core's) and facts of
+    the case for the JSON row. Checks that the send order holds exactly the routed pairs."""
     from ..megatron.models import stock_local_ops
 
     stock_permute, sort_chunks_by_idxs, unpermute = stock_local_ops()
@@ -88,12 +70,10 @@ def case(policy: str, skew: str, shape: dict, dtype, device, reps: int) -> tuple
     planner = make_planner(policy, PolicyConfig(policy=policy).planner_config(D, E))
     state = planner.initial_state()
     plan, state = planner.plan(counts_DE, state)
-    plan_us = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
+
+    def plan_step():
         fresh, _ = planner.plan(counts_DE, state)
-        fresh.route, fresh.send_DD  # derived once per plan, before any rank can send
-        plan_us.append((time.perf_counter() - t0) * 1e6)
+        return fresh.route, fresh.send_DD  # derived once per plan, before any rank can send
 
     # -- this project's dispatcher: the same functions RailsTokenDispatcher calls
     me = int(np.argmax(plan.send_DD.sum(axis=0)))
@@ -160,21 +140,48 @@ def case(policy: str, skew: str, shape: dict, dtype, device, reps: int) -> tuple
     if not torch.equal(torch.sort(state_ours["sent"].token_P).values, rmap.nonzero()[:, 0]):
         raise RuntimeError(f"{policy}/{skew}: the dispatcher's send order is not a permutation of the routed pairs")
 
-    steps = {"dispatch": ours_dispatch, "regroup": ours_regroup, "combine": ours_combine,
+    steps = {"plan": plan_step, "dispatch": ours_dispatch, "regroup": ours_regroup, "combine": ours_combine,
              "stock_dispatch": stock_dispatch, "stock_regroup": stock_regroup, "stock_combine": stock_combine}
     facts = {"rank": me, "pairs_sent": P, "rows_received": Q, "rank_stock": stock_me, "rows_received_stock": Q_stock}
-    return plan_us, steps, facts
+    return steps, facts
+
+
+def _rounds(steps: dict, reps: int, sync) -> tuple[dict, dict]:
+    """Per step, microseconds of every round (after 3 warm-up rounds): from a synced device to the
+    sync after the call, and to the call's return (the host's share: queuing the work; on a GPU the
+    rest is waiting for it). Every round calls every step once, starting one step later than the
+    round before, so that drift (clocks, the host's other work) falls on both sides alike."""
+    names = list(steps)
+    full = {n: [] for n in names}
+    host = {n: [] for n in names}
+    for r in range(reps + 3):
+        for i in range(len(names)):
+            name = names[(r + i) % len(names)]
+            sync()
+            t0 = time.perf_counter()
+            steps[name]()
+            t1 = time.perf_counter()
+            sync()
+            if r >= 3:
+                full[name].append((time.perf_counter() - t0) * 1e6)
+                host[name].append((t1 - t0) * 1e6)
+    return full, host
 
 
 def _rows_for(policy: str, skew: str, shape: dict, dtype, device, reps: int, sync) -> dict:
-    plan_us, steps, facts = case(policy, skew, shape, dtype, device, reps)
+    steps, facts = case(policy, skew, shape, dtype, device)
+    full, host = _rounds(steps, reps, sync)
     seg = {}
-    for name, fn in steps.items():
-        full, host = _timed(fn, reps, sync)
-        seg[name], seg[name + "_host"] = statistics.median(full), statistics.median(host)
-    plan_p50 = statistics.median(plan_us)
+    for name in steps:
+        seg[name], seg[name + "_host"] = statistics.median(full[name]), statistics.median(host[name])
+    plan_p50 = seg["plan"]
     ours = seg["dispatch"] + seg["regroup"] + seg["combine"]
     stock = seg["stock_dispatch"] + seg["stock_regroup"] + seg["stock_combine"]
+    # paired: each round's plan + local over the same round's Megatron-Core local work
+    paired = [(full["plan"][r] + full["dispatch"][r] + full["regroup"][r] + full["combine"][r])
+              / (full["stock_dispatch"][r] + full["stock_regroup"][r] + full["stock_combine"][r]) for r in range(reps)]
+    local_only = [(full["dispatch"][r] + full["regroup"][r] + full["combine"][r])
+                  / (full["stock_dispatch"][r] + full["stock_regroup"][r] + full["stock_combine"][r]) for r in range(reps)]
     return {"policy": policy, "skew": skew, "plan_us_p50": plan_p50,
             "dispatch_us_p50": seg["dispatch"], "regroup_us_p50": seg["regroup"], "combine_us_p50": seg["combine"],
             "local_us_p50": ours, "plan_plus_local_us_p50": plan_p50 + ours,
@@ -185,7 +192,8 @@ def _rows_for(policy: str, skew: str, shape: dict, dtype, device, reps: int, syn
             "combine_host_us_p50": seg["combine_host"], "megatron_dispatch_host_us_p50": seg["stock_dispatch_host"],
             "megatron_regroup_host_us_p50": seg["stock_regroup_host"],
             "megatron_combine_host_us_p50": seg["stock_combine_host"],
-            "ratio_vs_megatron": (plan_p50 + ours) / stock, "ratio_local_only": ours / stock, **facts}
+            "ratio_vs_megatron": statistics.median(paired), "ratio_local_only": statistics.median(local_only),
+            "ratio_of_medians": (plan_p50 + ours) / stock, **facts}
 
 
 def bench_local(out: str, shape_name: str = "mixtral-8x7b", device: str = "cpu", dtype: str = "bfloat16",
@@ -225,10 +233,13 @@ def bench_local(out: str, shape_name: str = "mixtral-8x7b", device: str = "cpu",
                     "megatron_core": MCORE_VERSION,
                     "send_order_path": send_order_path(torch.zeros(1, 1, dtype=torch.bool, device=dev)),
                     "h2d_staging": os.environ.get(STAGING_ENV, "pinned"),
-                    "note": "per-call medians in microseconds; local work only (no collectives, no expert "
-                            "compute), on each side's busiest rank (most rows received); megatron_*: "
-                            "moe_utils.permute/sort_chunks_by_idxs/unpermute, unfused; *_host_us_p50: "
-                            "until the call returned (the host's share), the others to the sync after it"},
+                    "note": "per-call medians in microseconds over rounds that call every step once (in "
+                            "rotating order); local work only (no collectives, no expert compute), on each "
+                            "side's busiest rank (most rows received); plan: the planner, the route and the "
+                            "split sizes; megatron_*: moe_utils.permute/sort_chunks_by_idxs/unpermute, "
+                            "unfused; ratio_vs_megatron: median over rounds of (plan + local) / megatron "
+                            "(paired), ratio_of_medians: the same from the medians; *_host_us_p50: until the "
+                            "call returned (the host's share), the others to the sync after it"},
            "rows": rows}
     with open(out, "w") as f:
         json.dump(res, f, indent=1)
