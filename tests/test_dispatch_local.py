@@ -131,6 +131,39 @@ def test_receive_order_groups_rows_by_slot(policy, max_runs, monkeypatch):
         assert (order is None) == already  # a permutation only where the rows need one
 
 
+@pytest.mark.parametrize("max_runs", [MAX_RUNS, 0])
+def test_compiled_host_tables_match_numpy(max_runs, monkeypatch):
+    """The Triton send order's host side compiled (core/_route_c.c rank_tables) against its numpy
+    definition: the staged table, sizes, runs in send order, split sizes and the receive order, every
+    policy (beyond MAX_RUNS runs the receive order is a permutation on both)."""
+    from megatron_rails.core.route import compiled_module
+    from megatron_rails.runtime.local import _host_tables, _host_tables_numpy
+
+    if compiled_module() is None:
+        pytest.skip("core/_route_c.c is not built here (or MEGATRON_RAILS_PURE_PYTHON is set)")
+    monkeypatch.setattr(local_mod, "MAX_RUNS", max_runs)
+    rng = np.random.default_rng(21)
+    for policy in POLICIES:
+        for it in range(30):
+            rmap, _ = _routing(rng, int(rng.integers(0, 40)), int(rng.integers(0, 3)))
+            me = int(rng.integers(D))
+            plan = _plan(rng, policy, rmap, me)
+            for receive in (True, False):
+                a = _host_tables(plan, me, E, torch.device("cpu"), receive)
+                b = _host_tables_numpy(plan, me, E, torch.device("cpu"), receive)
+                assert torch.equal(a.staged, b.staged), (policy, it)
+                assert (a.M, a.runs_max, a.P, a.send_D) == (b.M, b.runs_max, b.P, b.send_D), (policy, it)
+                for x, y in ((a.pairs.dest_M, b.pairs.dest_M), (a.pairs.slot_M, b.pairs.slot_M),
+                             (a.pairs.n_M, b.pairs.n_M)):
+                    assert np.array_equal(x, y), (policy, it)
+                if receive:
+                    ao, bo = a.receive[0], b.receive[0]
+                    assert (np.array_equal(ao, bo) if isinstance(bo, np.ndarray) else ao == bo), (policy, it)
+                    assert np.array_equal(a.receive[1], b.receive[1])
+                else:
+                    assert a.receive is None and b.receive is None
+
+
 @pytest.mark.parametrize("path", ["host", "device"])
 def test_send_order_brings_the_receive_order_along(path, monkeypatch):
     """send_order(receive=True) carries receive_order's result, whichever path makes the send order."""

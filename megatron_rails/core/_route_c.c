@@ -11,6 +11,7 @@
  * counts) are left to the Python path, which says what is wrong.
  *
  * route_csr(counts, rep_expert, rep_rank, quota, D, E, R, G, ptr, rep_out, tok_out) -> M
+ * (and rank_tables below: one rank's send and receive tables from the route)
  *   counts      int64 [D, E], C-contiguous (read)
  *   rep_expert, rep_rank, quota   int64 [R]: replicas in (expert, rank) order (read)
  *   ptr         int64 [D + 1]          (written)
@@ -181,7 +182,150 @@ static PyObject *route_csr(PyObject *self, PyObject *const *args, Py_ssize_t nar
     return PyLong_FromLongLong(M);
 }
 
+/* One rank's tables from the route (runtime/local.py, the Triton send order's host side): what
+ * `_runs`, the per-plan table of `order_pairs_triton`, `_assemble`'s split sizes and
+ * `receive_order_host` compute, bit-identical (tests/test_route_kernel.py).
+ *
+ * rank_tables(ptr, rep, tok, rep_rank, rep_slot, rep_expert, D, E, S, me,
+ *             table, send_runs, send_D, per_slot, recv_size, recv_take) -> (runs_max, n_recv, grouped)
+ *   ptr [D+1], rep, tok [Mt]: the route (CSR, by source then replica)      (read)
+ *   rep_rank, rep_slot, rep_expert [R]: the placement's replica tables      (read)
+ *   table      [E + 1 + 3M]  M = this rank's route entries: first run of every expert, then per run
+ *              (in (expert, rank) order) its first and past-last place among its expert's pairs and
+ *              its send position minus that first place                   (written)
+ *   send_runs  [3M]  destination rank, slot there and pairs of every run, in send order   (written)
+ *   send_D     [D]   pairs sent to every rank                              (written)
+ *   per_slot   [S]   rows received per slot                                (written)
+ *   recv_size, recv_take [Mt]: received runs' rows in arrival order (source-major, slot-minor) and
+ *              the arrival run of each run in slot-major order             (written: n_recv each)
+ *   grouped: the arrival order is already slot-major. */
+static int64_t *rank_runs_order(const int64_t *dest, const int64_t *slot, int64_t M, int64_t S, int64_t *order) {
+    /* stable sort of runs by (dest, slot): insertion sort, M is a row of the route (small) */
+    for (int64_t i = 0; i < M; i++) {
+        int64_t j = i, key = dest[i] * S + slot[i];
+        while (j > 0 && dest[order[j - 1]] * S + slot[order[j - 1]] > key) order[j] = order[j - 1], j--;
+        order[j] = i;
+    }
+    return order;
+}
+
+static PyObject *rank_tables(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 16) {
+        PyErr_SetString(PyExc_TypeError, "rank_tables takes 16 arguments");
+        return NULL;
+    }
+    int64_t D = PyLong_AsLongLong(args[6]), E = PyLong_AsLongLong(args[7]);
+    int64_t S = PyLong_AsLongLong(args[8]), me = PyLong_AsLongLong(args[9]);
+    if (PyErr_Occurred()) return NULL;
+    if (D < 1 || E < 1 || S < 1 || me < 0 || me >= D) {
+        PyErr_SetString(PyExc_ValueError, "rank_tables: bad sizes");
+        return NULL;
+    }
+    Py_buffer v[12];
+    int got = 0;
+    if (get_buffer(args[0], &v[0], D + 1, 0, "ptr")) return NULL;
+    got = 1;
+    const int64_t *ptr = v[0].buf;
+    int64_t Mt = ptr[D], M = ptr[me + 1] - ptr[me], R = 0;
+    if (Mt < 0 || M < 0) {
+        PyBuffer_Release(&v[0]);
+        PyErr_SetString(PyExc_ValueError, "rank_tables: bad route pointers");
+        return NULL;
+    }
+    {
+        Py_buffer probe;
+        if (PyObject_GetBuffer(args[3], &probe, PyBUF_C_CONTIGUOUS) < 0) goto fail;
+        R = probe.len / 8;
+        PyBuffer_Release(&probe);
+    }
+    const char *names[12] = {"ptr", "rep", "tok", "rep_rank", "rep_slot", "rep_expert", "table", "send_runs",
+                             "send_D", "per_slot", "recv_size", "recv_take"};
+    const int64_t sizes[12] = {D + 1, Mt, Mt, R, R, R, E + 1 + 3 * M, 3 * M, D, S, Mt, Mt};
+    const int slot_arg[12] = {0, 1, 2, 3, 4, 5, 10, 11, 12, 13, 14, 15};
+    for (; got < 12; got++)
+        if (get_buffer(args[slot_arg[got]], &v[got], sizes[got], got >= 6, names[got])) goto fail;
+    const int64_t *rep = v[1].buf, *tok = v[2].buf, *rank = v[3].buf, *rslot = v[4].buf, *rexp = v[5].buf;
+    int64_t *table = v[6].buf, *send_runs = v[7].buf, *send_D = v[8].buf, *per_slot = v[9].buf;
+    int64_t *recv_size = v[10].buf, *recv_take = v[11].buf;
+    int64_t runs_max = 0, n_recv = 0, grouped = 1, bad = 0;
+    int oom = 0;
+    Py_BEGIN_ALLOW_THREADS
+    int64_t *w = malloc(sizeof(int64_t) * (size_t)(5 * M + 2 * Mt + 1));
+    if (!w) {
+        oom = 1;
+    } else {
+        int64_t *dest = w, *slot = dest + M, *n = slot + M, *expert = n + M, *order = expert + M;
+        int64_t *r_slot = order + M, *r_order = r_slot + Mt;
+        for (int64_t i = 0; i < Mt && !bad; i++) bad = rep[i] < 0 || rep[i] >= R;
+        for (int64_t m = 0; m < M && !bad; m++) {
+            int64_t r = rep[ptr[me] + m];
+            dest[m] = rank[r], slot[m] = rslot[r], n[m] = tok[ptr[me] + m], expert[m] = rexp[r];
+        }
+        if (!bad) {
+            /* the per-plan table: runs are in (expert, rank) order (the route row is by replica) */
+            int64_t *first = table, *lo = table + E + 1, *hi = lo + M, *base = hi + M;
+            for (int64_t e = 0, m = 0; e <= E; e++) {
+                while (m < M && expert[m] < e) m++;
+                first[e] = m;
+            }
+            for (int64_t e = 0; e < E; e++) runs_max = first[e + 1] - first[e] > runs_max ? first[e + 1] - first[e] : runs_max;
+            int64_t start = 0;
+            for (int64_t m = 0; m < M; m++) { /* place among the expert's pairs */
+                if (m == 0 || expert[m] != expert[m - 1]) start = 0;
+                lo[m] = start, hi[m] = start + n[m];
+                start += n[m];
+            }
+            rank_runs_order(dest, slot, M, S, order);
+            for (int64_t d = 0; d < D; d++) send_D[d] = 0;
+            int64_t at = 0;
+            for (int64_t i = 0; i < M; i++) { /* send positions, by (destination, slot) */
+                int64_t m = order[i];
+                base[m] = at - lo[m];
+                at += n[m];
+                send_runs[i] = dest[m], send_runs[M + i] = slot[m], send_runs[2 * M + i] = n[m];
+                send_D[dest[m]] += n[m];
+            }
+            /* received runs: entries into `me`, by source (route order), slot-minor */
+            for (int64_t s = 0; s < S; s++) per_slot[s] = 0;
+            for (int64_t src = 0; src < D; src++) {
+                int64_t first_run = n_recv;
+                for (int64_t i = ptr[src]; i < ptr[src + 1]; i++) {
+                    int64_t r = rep[i];
+                    if (rank[r] != me) continue;
+                    int64_t j = n_recv++, key = rslot[r]; /* insertion by slot within the source */
+                    while (j > first_run && r_slot[j - 1] > key) r_slot[j] = r_slot[j - 1], recv_size[j] = recv_size[j - 1], j--;
+                    r_slot[j] = key, recv_size[j] = tok[i];
+                    per_slot[key] += tok[i];
+                }
+            }
+            for (int64_t j = 1; j < n_recv; j++) grouped &= r_slot[j] >= r_slot[j - 1];
+            /* slot-major, arrival order kept within a slot: a stable sort of arrival runs by slot */
+            for (int64_t i = 0; i < n_recv; i++) {
+                int64_t j = i;
+                while (j > 0 && r_slot[r_order[j - 1]] > r_slot[i]) r_order[j] = r_order[j - 1], j--;
+                r_order[j] = i;
+            }
+            for (int64_t i = 0; i < n_recv; i++) recv_take[i] = r_order[i];
+        }
+        free(w);
+    }
+    Py_END_ALLOW_THREADS
+    for (int i = 0; i < got; i++) PyBuffer_Release(&v[i]);
+    if (oom) return PyErr_NoMemory();
+    if (bad) {
+        PyErr_SetString(PyExc_ValueError, "rank_tables: a route entry names a replica outside the placement");
+        return NULL;
+    }
+    return Py_BuildValue("(LLL)", (long long)runs_max, (long long)n_recv, (long long)grouped);
+fail:
+    for (int i = 0; i < got; i++) PyBuffer_Release(&v[i]);
+    return NULL;
+}
+
 static PyMethodDef methods[] = {
+    {"rank_tables", (PyCFunction)(void (*)(void))rank_tables, METH_FASTCALL,
+     "one rank's send and receive tables from a plan's route (see the module source)."},
     {"route_csr", (PyCFunction)(void (*)(void))route_csr, METH_FASTCALL,
      "a plan's CSR token route from its quotas (see the module source)."},
     {NULL, NULL, 0, NULL},

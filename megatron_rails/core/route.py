@@ -98,19 +98,19 @@ def split_by_quota(counts_DE: np.ndarray, placement, quota_R) -> tuple[np.ndarra
     return src, rep, tok
 
 
-def _compiled():
-    """The compiled route (`_route_c.route_csr`), or None where it is not built or turned off
-    (MEGATRON_RAILS_PURE_PYTHON=1, as for ultraep's kernel)."""
+def compiled_module():
+    """The compiled route module (`_route_c`: route_csr, rank_tables), or None where it is not
+    built or turned off (MEGATRON_RAILS_PURE_PYTHON=1, as for ultraep's kernel)."""
     if os.environ.get("MEGATRON_RAILS_PURE_PYTHON", "") not in ("", "0"):
         return None
     try:
-        from ._route_c import route_csr as kernel
+        from . import _route_c
     except ImportError:
         return None
-    return kernel
+    return _route_c
 
 
-_KERNEL = _compiled()
+_KERNEL = getattr(compiled_module(), "route_csr", None)
 
 
 def route_csr(counts_DE: np.ndarray, placement, quota_R, compiled: bool = True) -> tuple[np.ndarray, ...]:

@@ -17,6 +17,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from ..core.route import compiled_module
 
 STAGING_ENV = "MEGATRON_RAILS_H2D"  # pinned (default) or pageable: how per-plan tables reach a GPU
 
@@ -251,28 +252,78 @@ def order_pairs_on_device(plan, me: int, routing_map: torch.Tensor, probs: torch
 def order_pairs_triton(plan, me: int, routing_map: torch.Tensor, probs: torch.Tensor, uniform: bool,
                        receive: bool = False) -> SendOrder:
     """order_pairs_on_device in two kernels (runtime/local_triton.py): the same tensors. The per-plan
-    table (int64 [E+1+3M]) is the only copy, non-blocking from pinned memory on CUDA; receive: the
-    receive order (receive_order's result, as .receive) travels in the same copy."""
+    table (int64 [E+1+3M]) is the only copy, non-blocking from pinned memory on CUDA; its host side
+    compiled where built (core/_route_c.c rank_tables), else numpy. receive: the receive order
+    (receive_order's result, as .receive) too."""
     from . import local_triton
 
     dev = routing_map.device
     T, E = routing_map.shape
-    runs_of_me = _runs(plan, me)
-    runs, n_M, expert_M = runs_of_me[0], runs_of_me[1], runs_of_me[4]
-    P, M = int(n_M.sum()), n_M.size
-    if P == 0:
+    t = _host_tables(plan, me, E, dev, receive)
+    if t.P == 0:
         none = torch.zeros(0, dtype=torch.int64, device=dev)
-        so = _send_order(plan, me, runs_of_me, none, routing_map, probs, uniform)
-        if receive:
-            so.receive = receive_order(plan, me, dev)
-        return so
-    n_table, Q = E + 1 + 3 * M, 0
-    order_N, per_slot = receive_order_host(plan, me) if receive else (None, None)
-    if isinstance(order_N, np.ndarray):  # many runs: the permutation travels with the table
-        Q = order_N.size
-    staged = _host_rows(n_table + 2 * Q, dev, rows=1)[0]
-    table_np = staged.numpy()
-    first_E, lo_M, hi_M, base_M = np.split(table_np[:n_table], [E + 1, E + 1 + M, E + 1 + 2 * M])
+        so = _send_order(plan, me, _runs(plan, me), none, routing_map, probs, uniform)
+    else:
+        on_dev = t.staged.to(dev, non_blocking=True)
+        k = t.P // T if uniform else 0
+        token_P, flat_P, by_token = local_triton.send_order_tensors(routing_map, on_dev, t.M, t.runs_max, t.P, k)
+        so = SendOrder(token_P, _pair_probs(probs, flat_P), t.send_D, plan.send_DD[:, me].tolist(), by_token,
+                       t.P // T if T else 0, t.pairs)
+    if receive:
+        order, per_slot = t.receive
+        if order is None or isinstance(order, Runs):
+            so.receive = (order, None if order is None else order.inverse(), per_slot)
+        else:  # many runs: a permutation, copied on its own
+            so.receive = (*permutation_and_inverse(order, dev), per_slot)
+    return so
+
+
+@dataclass
+class _HostTables:
+    """The host side of the Triton send order: the per-plan table staged for the device (int64
+    [E+1+3M]: first run of every expert, then per run its first and past-last place among its
+    expert's pairs and its send position minus that first place), M runs, the most runs of one
+    expert, P pairs, the split sizes out, the runs in send order, and receive_order_host's result
+    (or None)."""
+    staged: torch.Tensor
+    M: int
+    runs_max: int
+    P: int
+    send_D: list
+    pairs: _RunsOfPairs
+    receive: Optional[tuple]
+
+
+_RANK_TABLES = getattr(compiled_module(), "rank_tables", None)  # the compiled host side, where built
+
+
+def _host_tables(plan, me: int, E: int, dev, receive: bool) -> _HostTables:
+    if _RANK_TABLES is None:
+        return _host_tables_numpy(plan, me, E, dev, receive)
+    p = plan.placement
+    ptr, rep_M, tok_M = plan.route
+    D, S, M, Mt = p.num_ranks, p.slots_per_rank, int(ptr[me + 1] - ptr[me]), rep_M.size
+    staged = _host_rows(E + 1 + 3 * M, dev, rows=1)[0]
+    out = np.empty(3 * M + D + S + 2 * Mt, dtype=np.int64)
+    a, b, c = 3 * M, 3 * M + D, 3 * M + D + S
+    runs_max, n_recv, grouped = _RANK_TABLES(ptr, rep_M, tok_M, p.replica_rank_R, p.replica_slot_R,
+                                             p.replica_expert_R, D, E, S, me, staged.numpy(), out[:a], out[a:b],
+                                             out[b:c], out[c:c + Mt], out[c + Mt:])
+    order = None
+    if receive and not grouped:
+        sizes, take = out[c:c + n_recv], out[c + Mt:c + Mt + n_recv]
+        order = Runs(tuple(sizes.tolist()), tuple(take.tolist())) if n_recv <= MAX_RUNS else segment_order(sizes, take)
+    send_D = out[a:b].tolist()
+    return _HostTables(staged, M, runs_max, sum(send_D), send_D, _RunsOfPairs(out[:M], out[M:2 * M], out[2 * M:a]),
+                       (order, out[b:c]) if receive else None)
+
+
+def _host_tables_numpy(plan, me: int, E: int, dev, receive: bool) -> _HostTables:
+    """_host_tables in numpy (where the compiled tables are not built): the definition."""
+    runs, n_M, dest, slot, expert_M = _runs(plan, me)
+    M = n_M.size
+    staged = _host_rows(E + 1 + 3 * M, dev, rows=1)[0]
+    first_E, lo_M, hi_M, base_M = np.split(staged.numpy(), [E + 1, E + 1 + M, E + 1 + 2 * M])
     first_E[:] = np.searchsorted(expert_M, np.arange(E + 1))  # the row is in (expert, rank) order
     end_M = np.cumsum(n_M)
     start_M = end_M - n_M  # in the stock stream; minus the expert's start: the place among its pairs
@@ -280,19 +331,10 @@ def order_pairs_triton(plan, me: int, routing_map: torch.Tensor, probs: torch.Te
     hi_M[:] = lo_M + n_M
     base_M[runs] = np.cumsum(n_M[runs]) - n_M[runs]  # send start of every run ...
     base_M -= lo_M  # ... minus its first place
-    if Q:
-        _fill_permutation(table_np[n_table:], order_N)
-    on_dev = staged.to(dev, non_blocking=True)
-    k = P // T if uniform else 0
-    token_P, flat_P, by_token = local_triton.send_order_tensors(
-        routing_map, on_dev[:n_table], M, int(np.diff(first_E).max()), P, k)
-    so = _assemble(plan, me, runs_of_me, token_P, _pair_probs(probs, flat_P), by_token, T)
-    if receive:
-        if Q:
-            so.receive = (on_dev[n_table:n_table + Q], on_dev[n_table + Q:], per_slot)
-        else:
-            so.receive = (order_N, None if order_N is None else order_N.inverse(), per_slot)
-    return so
+    send_D = np.bincount(dest, weights=n_M, minlength=plan.send_DD.shape[0]).astype(np.int64).tolist()
+    return _HostTables(staged, M, int(np.diff(first_E).max()) if M else 0, int(n_M.sum()), send_D,
+                       _RunsOfPairs(dest[runs], slot[runs], n_M[runs]),
+                       receive_order_host(plan, me) if receive else None)
 
 
 def sum_pairs(y_P: torch.Tensor, so: SendOrder, T: int) -> torch.Tensor:
