@@ -320,3 +320,46 @@ def test_fsep_near_uniform_takes_megatrons_stock_layout(D, E):
     skewed, _ = make_planner("fsep", cfg).plan(hot)
     check_plan(skewed, cfg, hot)
     assert not np.array_equal(skewed.placement.slot_expert_DS[:, :per], megatron)
+
+
+def _greedy_replica_counts(load, budget, lo, most):
+    """The definition replica_counts computes: one more replica at a time to the expert with the
+    most tokens per replica (exact fractions, ties to the lower id), never beyond `most`, while the
+    budget lasts and while no replica would hold less than one token."""
+    from fractions import Fraction
+
+    n = np.minimum(lo, most).astype(np.int64)
+    if n.sum() >= budget or not load.any():
+        return n
+    while n.sum() < budget:
+        room = [e for e in range(load.size) if load[e] > n[e] and n[e] < most]
+        if not room:
+            break
+        e = max(room, key=lambda e: (Fraction(int(load[e]), int(n[e])) if n[e] else Fraction(10**30), -e))
+        n[e] += 1
+    return n
+
+
+def test_replica_counts_against_the_greedy_definition_and_both_searches(monkeypatch):
+    """replica_counts (every expert at least once, fsep's use) equals the one-at-a-time greedy
+    wherever a replica per token is left to give, and its one-pass threshold search (small E) gives
+    the bisection's answer on every input, degenerate minimums included."""
+    from megatron_rails.core.planners import packing
+
+    rng = np.random.default_rng(4)
+    greedy_checked = 0
+    for t in range(1500):
+        E, D, C = int(rng.integers(1, 24)), int(rng.integers(1, 12)), int(rng.integers(1, 4))
+        if t % 2:
+            load = (rng.zipf(1.3, E) * rng.integers(0, 2, E) * rng.integers(1, 3000)).astype(np.int64)
+        else:
+            load = rng.integers(0, 50000, E)
+        lo = np.ones(E, dtype=np.int64) if t % 3 else rng.integers(0, 3, E)
+        monkeypatch.setattr(packing, "_CANDIDATES_MAX", 1 << 18)
+        fast = packing.replica_counts(load, D * C, lo, D)
+        monkeypatch.setattr(packing, "_CANDIDATES_MAX", 0)
+        assert np.array_equal(fast, packing.replica_counts(load, D * C, lo, D)), (load, D * C, lo, D)
+        if t % 3 and load.min() >= D:  # every expert >= 1 replica and more tokens than replicas can get
+            assert np.array_equal(fast, _greedy_replica_counts(load, D * C, lo, D)), (load, D * C, D)
+            greedy_checked += 1
+    assert greedy_checked > 100

@@ -118,7 +118,7 @@ class PlannerBase:
 
 def even_quotas(load_E: np.ndarray, expert_ptr: np.ndarray) -> np.ndarray:
     """int64 [R]: every expert's tokens split evenly over its replicas (in replica order)."""
-    n_E = np.diff(expert_ptr)
+    n_E = expert_ptr[1:] - expert_ptr[:-1]
     R = int(expert_ptr[-1])
     if R == 0:
         return np.zeros(0, dtype=np.int64)

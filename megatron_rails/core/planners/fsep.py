@@ -63,7 +63,9 @@ class FsepPlanner(PlannerBase):
         cfg = self.cfg
         D, E, C = cfg.num_ranks, cfg.num_experts, cfg.total_slots
         item_e = np.repeat(np.arange(E, dtype=np.int64), n_E)
-        item_load = even_quotas(load_E, np.r_[0, np.cumsum(n_E)])
+        ptr_E = np.zeros(E + 1, dtype=np.int64)
+        np.cumsum(n_E, out=ptr_E[1:])
+        item_load = even_quotas(load_E, ptr_E)
         order = np.lexsort((item_e, -item_load))  # heaviest first, ties to the lower expert id
         item_e, item_load = item_e[order], item_load[order]
         rank_load = np.zeros(D, dtype=np.int64)
@@ -82,7 +84,8 @@ class FsepPlanner(PlannerBase):
         r, e = item_rank[placed], item_e[placed]
         slot = np.zeros(r.size, dtype=np.int64)  # slot index = order of arrival on the rank
         by_rank = np.argsort(r, kind="stable")
-        starts = np.r_[0, np.cumsum(np.bincount(r, minlength=D))[:-1]]
+        starts = np.zeros(D, dtype=np.int64)
+        np.cumsum(np.bincount(r, minlength=D)[:-1], out=starts[1:])
         slot[by_rank] = np.arange(r.size) - starts[r[by_rank]]
         slot_DS[r, slot] = e
         return self._finish(counts, load_E, slot_DS, replicas=int(placed.sum()), unplaced=int((~placed).sum()))

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 
+_CANDIDATES_MAX = 1 << 18  # E * E * max_per_expert up to which replica_counts tries every threshold at once
+
 
 def replica_counts(load_E: np.ndarray, budget: int, min_E: np.ndarray, max_per_expert: int) -> np.ndarray:
     """int64 [E]: replica count per expert, min_E <= n <= max_per_expert, sum(n) <= budget.
@@ -30,7 +32,16 @@ def replica_counts(load_E: np.ndarray, budget: int, min_E: np.ndarray, max_per_e
     a0 = max(1, -(-int(load.sum()) // budget) - 1)
     if a0 < b and n_at(a0).sum() > budget:
         a = a0
-    while b - a > 1:
+    if load.size * load.size * max_per_expert <= _CANDIDATES_MAX:
+        # n_at's sum drops only where some expert's ceil(load / lam) does, at lam = ceil(load_e / j)
+        # (j <= max_per_expert): the smallest such lam in (a, b] within budget, all tried at once (b,
+        # the largest load, is one of them), is bisection's answer, in one pass; where none is
+        # within budget (experts without load and min 0), bisection ends at b too
+        cand = np.unique(-(-load[:, None] // np.arange(1, max_per_expert + 1, dtype=np.int64)))
+        cand = cand[(cand > a) & (cand <= b)]
+        ok = np.minimum(np.maximum(-(-load[:, None] // cand), lo[:, None]), max_per_expert).sum(axis=0) <= budget
+        a, b = b - 1, (int(cand[np.argmax(ok)]) if ok.any() else b)  # the sum is non-increasing along cand
+    while b - a > 1:  # many experts: bisect
         mid = (a + b) // 2
         if n_at(mid).sum() <= budget:
             b = mid
@@ -78,7 +89,7 @@ def lpt_place(item_expert: np.ndarray, item_load: np.ndarray, rank_load_D: np.nd
             dst = _repair_round(exp, dst, ranks[m:], hosted_DE, bad)
         ok = dst >= 0
         out[pos:pos + m] = dst
-        np.add.at(rank_load_D, dst[ok], item_load[pos:pos + m][ok])
+        rank_load_D[dst[ok]] += item_load[pos:pos + m][ok]  # the round's ranks are distinct: no add.at
         hosted_DE[dst[ok], exp[ok]] = True
         free_D[dst[ok]] -= 1
         pos += m
