@@ -79,9 +79,12 @@ class EplbPlanner(PlannerBase):
             stock_D = np.bincount(self._owner, weights=load_E, minlength=cfg.num_ranks)
             if load_D.max() > stock_D.max():
                 info["stock_fallback"] = True
-                plan = Plan.from_quotas(self._stock, counts, load_E, policy=self.name, info=info)
+                load_E.flags.writeable = False
+                plan = Plan.trusted(self._stock, counts, load_E, self.name, info)  # one replica each
                 return plan, EplbState(history, state.step + 1, placement)
-        plan = Plan.from_quotas(placement, counts, quota, policy=self.name, info=info)
+        # even splits of every expert's load over its replicas: they sum to the counts by construction
+        quota.flags.writeable = False
+        plan = Plan.trusted(placement, counts, quota, self.name, info)
         return plan, EplbState(history, state.step + 1, placement)
 
     # -- placement ----------------------------------------------------------------------------------
