@@ -65,8 +65,9 @@ def main() -> None:
     for skew in SKEWS:
         for policy in a.policies:
             line = [f"{policy:8s} {skew:9s}"]
-            steps, facts = case(policy, skew, shape, torch.bfloat16, dev)
+            steps, facts, plan_us = case(policy, skew, shape, torch.bfloat16, dev)
             full, host = _rounds(steps, a.reps, sync)
+            line.append(f"plan {statistics.median(plan_us[-a.reps:]):6.1f} (dispatch below includes it)")
             say(f"\n======== {policy} {skew} {facts}")
             for name, fn in steps.items():
                 line.append(f"{name} {statistics.median(full[name]):6.1f}/{statistics.median(host[name]):5.1f}")
