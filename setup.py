@@ -1,5 +1,6 @@
-"""The compiled parts: ultraep's planning hot path (megatron_rails/core/planners/_ultraep_c.c) and a
-plan's token route (megatron_rails/core/_route_c.c).
+"""The compiled parts: the planners' hot paths (ultraep's cascade, megatron_rails/core/planners/_ultraep_c.c;
+fsep's layout, _fsep_c.c) and a plan's token route with a rank's tables from it
+(megatron_rails/core/_route_c.c).
 
 Optional: where no C compiler is available the build goes on without them and both run in pure
 Python (same results, slower). Everything else is declared in pyproject.toml.
@@ -8,6 +9,8 @@ from setuptools import Extension, setup
 
 FLAGS = ["-O3", "-std=c11", "-Wall", "-Wextra"]
 setup(ext_modules=[Extension("megatron_rails.core.planners._ultraep_c", ["megatron_rails/core/planners/_ultraep_c.c"],
+                             extra_compile_args=FLAGS, optional=True),
+                   Extension("megatron_rails.core.planners._fsep_c", ["megatron_rails/core/planners/_fsep_c.c"],
                              extra_compile_args=FLAGS, optional=True),
                    Extension("megatron_rails.core._route_c", ["megatron_rails/core/_route_c.c"],
                              extra_compile_args=FLAGS, optional=True)])

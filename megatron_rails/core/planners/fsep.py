@@ -8,14 +8,35 @@ With a tolerance (PlannerConfig), the stock layout is tried first (each expert o
 owner, in expert order: the shards travel without reordering), then one replica per expert
 LPT-placed: the first that keeps max/mean tokens per rank within 1 + tolerance is used, and fewer
 weights move; else every slot.
+
+The layout (up to the slot table) also exists compiled (`_fsep_c.c`, built at install where a C
+compiler is available): bit-identical plans, used when present; MEGATRON_RAILS_PURE_PYTHON=1 turns
+it off.
 """
 from __future__ import annotations
+
+import os
 
 import numpy as np
 
 from ..plan import SHARDED, Placement, Plan, _owner_template, stock_load_D
 from .base import PlannerBase, PlannerError, even_quotas
 from .packing import lpt_place, replica_counts
+
+
+_STOCK = 0  # fsep_layout's code for the stock layout (1: one replica per expert, 2: every slot)
+
+
+def _compiled():
+    """The compiled layout (`_fsep_c.fsep_layout`), or None where it is not built or turned off
+    (MEGATRON_RAILS_PURE_PYTHON=1)."""
+    if os.environ.get("MEGATRON_RAILS_PURE_PYTHON", "") not in ("", "0"):
+        return None
+    try:
+        from ._fsep_c import fsep_layout
+    except ImportError:
+        return None
+    return fsep_layout
 
 
 class FsepPlanner(PlannerBase):
@@ -28,12 +49,25 @@ class FsepPlanner(PlannerBase):
         # the stock layout (each expert once, on its stock owner): shared by every plan that keeps it
         self._stock = Placement(_owner_template(cfg.num_experts, cfg.num_ranks, cfg.slots), cfg.num_experts,
                                 cfg.ranks_per_node, SHARDED, 0)
+        self._kernel = _compiled()
+        self._tol_limit = 1.0 + cfg.tolerance if cfg.tolerance else 0.0
+
+    @property
+    def compiled(self) -> bool:
+        """Whether layouts come from the compiled kernel (else numpy; the plans are identical)."""
+        return self._kernel is not None
 
     def plan(self, counts_DE, state=None):
         counts = self.counts(counts_DE)
         cfg = self.cfg
         D, E, C = cfg.num_ranks, cfg.num_experts, cfg.total_slots
         load_E = counts.sum(axis=0)
+        if self._kernel is not None:  # the same layout, compiled (_fsep_c.c)
+            slot_DS = np.empty((D, C), dtype=np.int64)
+            code, replicas, unplaced = self._kernel(load_E, D, E, C, self._tol_limit, slot_DS)
+            if code == _STOCK:
+                return self._stock_plan(counts, load_E), None
+            return self._finish(counts, load_E, slot_DS, replicas=replicas, unplaced=unplaced), None
         # every expert keeps at least one slot, loaded or not: the layout serves the later
         # microbatches of the optimizer step too (routed on it exactly), whose counts differ.
         # D * C >= E always (C >= ceil(E/D)), so this never runs out of slots.
