@@ -59,6 +59,12 @@ def test_every_planners_route_matches_the_definition(D, E, G):
             for compiled in (True, False):
                 assert_same(route_csr(plan.counts_DE, plan.placement, plan.quota_R, compiled=compiled), want)
             assert_same(plan.route, want)
+            # the split sizes made with the compiled route, against their definition from the route
+            ptr, rep, tok = want
+            src = np.repeat(np.arange(D), np.diff(ptr))
+            ref_DD = np.zeros((D, D), dtype=np.int64)
+            np.add.at(ref_DD, (src, plan.placement.replica_rank_R[rep]), tok)
+            assert np.array_equal(plan.send_DD, ref_DD) and plan.send_DD.dtype == np.int64
 
 
 def test_random_quotas_on_random_placements():

@@ -204,7 +204,7 @@ def _rows_for(policy: str, skew: str, shape: dict, dtype, device, reps: int, syn
 
 
 def bench_local(out: str, shape_name: str = "mixtral-8x7b", device: str = "cpu", dtype: str = "bfloat16",
-                reps: int = 50) -> dict:
+                reps: int = 200) -> dict:
     if shape_name not in SHAPES:
         raise InputError(f"--shape: unknown shape {shape_name!r}; choose one of {', '.join(SHAPES)}")
     if dtype not in DTYPES:

@@ -138,7 +138,7 @@ def cmd_bench(args) -> int:
         from ..bench.local import bench_local
 
         bench_local(args.out, shape_name="tiny" if args.quick else args.shape, device=args.device,
-                    dtype=args.dtype, reps=5 if args.quick else 50)
+                    dtype=args.dtype, reps=5 if args.quick else 200)
         return 0
     if args.what == "step":
         _cores_check(args.ranks)  # before importing Megatron, whose import warnings would bury the message

@@ -10,12 +10,13 @@
  * bit-identity against the Python definition on random plans. Errors (quotas that do not match the
  * counts) are left to the Python path, which says what is wrong.
  *
- * route_csr(counts, rep_expert, rep_rank, quota, D, E, R, G, ptr, rep_out, tok_out) -> M
+ * route_csr(counts, rep_expert, rep_rank, quota, D, E, R, G, ptr, rep_out, tok_out, send_DD) -> M
  * (and rank_tables below: one rank's send and receive tables from the route)
  *   counts      int64 [D, E], C-contiguous (read)
  *   rep_expert, rep_rank, quota   int64 [R]: replicas in (expert, rank) order (read)
  *   ptr         int64 [D + 1]          (written)
  *   rep_out, tok_out  int64 [cap]      (written: M entries; cap >= 3 * D * E + 2 * R)
+ *   send_DD     int64 [D, D]           (written: tokens source rank i sends to rank j, Plan.send_DD)
  * returns M >= 0, or -1 where the quotas are negative or do not sum to every expert's tokens.
  */
 #define PY_SSIZE_T_CLEAN
@@ -61,7 +62,7 @@ static void local_part(const int64_t *x, const int64_t *group, int64_t n, const 
 
 static int64_t route(const int64_t *counts, const int64_t *rep_e, const int64_t *rep_d, const int64_t *quota,
                      int64_t D, int64_t E, int64_t R, int64_t G, int64_t *ptr, int64_t *rep_out,
-                     int64_t *tok_out, int *oom) {
+                     int64_t *tok_out, int64_t *send_DD, int *oom) {
     int64_t V = D / G, m = 0, M = 0, bad = 0;
     int64_t *iw = malloc(sizeof(int64_t) * (size_t)(3 * E + 1 + 2 * V + 6 * (D + R)));
     entry *ent = malloc(sizeof(entry) * (size_t)(3 * D * E + 2 * R + 1));
@@ -130,9 +131,12 @@ static int64_t route(const int64_t *counts, const int64_t *rep_e, const int64_t 
         }
         ent[M++] = ent[i];
     }
+    for (int64_t i = 0; i < D * D; i++) send_DD[i] = 0;
     for (int64_t i = 0; i < M; i++) {
+        int64_t src = ent[i].key / R;
         rep_out[i] = ent[i].key % R, tok_out[i] = ent[i].tok;
-        ptr[ent[i].key / R + 1]++;
+        ptr[src + 1]++;
+        send_DD[src * D + rep_d[rep_out[i]]] += ent[i].tok;
     }
     for (int64_t d = 0; d < D; d++) ptr[d + 1] += ptr[d];
     free(iw), free(ent);
@@ -151,8 +155,8 @@ static int get_buffer(PyObject *obj, Py_buffer *view, Py_ssize_t n, int writable
 
 static PyObject *route_csr(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (nargs != 11) {
-        PyErr_SetString(PyExc_TypeError, "route_csr takes 11 arguments");
+    if (nargs != 12) {
+        PyErr_SetString(PyExc_TypeError, "route_csr takes 12 arguments");
         return NULL;
     }
     int64_t D = PyLong_AsLongLong(args[4]), E = PyLong_AsLongLong(args[5]);
@@ -162,22 +166,22 @@ static PyObject *route_csr(PyObject *self, PyObject *const *args, Py_ssize_t nar
         PyErr_SetString(PyExc_ValueError, "route_csr: bad sizes");
         return NULL;
     }
-    Py_buffer v[7];
-    const char *names[7] = {"counts", "rep_expert", "rep_rank", "quota", "ptr", "rep_out", "tok_out"};
-    const int64_t sizes[7] = {D * E, R, R, R, D + 1, 3 * D * E + 2 * R, 3 * D * E + 2 * R};
-    const int slot[7] = {0, 1, 2, 3, 8, 9, 10};
+    Py_buffer v[8];
+    const char *names[8] = {"counts", "rep_expert", "rep_rank", "quota", "ptr", "rep_out", "tok_out", "send_DD"};
+    const int64_t sizes[8] = {D * E, R, R, R, D + 1, 3 * D * E + 2 * R, 3 * D * E + 2 * R, D * D};
+    const int slot[8] = {0, 1, 2, 3, 8, 9, 10, 11};
     int got = 0;
-    for (; got < 7; got++)
+    for (; got < 8; got++)
         if (get_buffer(args[slot[got]], &v[got], sizes[got], got >= 4, names[got])) break;
     int64_t M = -1;
     int oom = 0;
-    if (got == 7) {
+    if (got == 8) {
         Py_BEGIN_ALLOW_THREADS
-        M = route(v[0].buf, v[1].buf, v[2].buf, v[3].buf, D, E, R, G, v[4].buf, v[5].buf, v[6].buf, &oom);
+        M = route(v[0].buf, v[1].buf, v[2].buf, v[3].buf, D, E, R, G, v[4].buf, v[5].buf, v[6].buf, v[7].buf, &oom);
         Py_END_ALLOW_THREADS
     }
     for (int i = 0; i < got; i++) PyBuffer_Release(&v[i]);
-    if (got < 7) return NULL;
+    if (got < 8) return NULL;
     if (oom) return PyErr_NoMemory();
     return PyLong_FromLongLong(M);
 }

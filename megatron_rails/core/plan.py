@@ -22,7 +22,7 @@ from typing import Sequence
 import numpy as np
 
 from .errors import PlanError
-from .route import route_csr
+from .route import route_and_sends
 
 OWNER = "owner"      # stock EP owners in the first `owner_slots` slots, redundant replicas after them
 SHARDED = "sharded"  # FSEP: every expert sharded over all ranks, every slot materialized per step
@@ -434,7 +434,10 @@ class Plan:
         """CSR token route (route_indptr int64 [D+1], rep_M int64 [M], tok_M int64 [M]): source rank
         d sends tok_M[i] > 0 tokens to replica rep_M[i] for i in route_indptr[d]:route_indptr[d+1],
         replica ids strictly increasing within a row."""
-        return route_csr(self.counts_DE, self.placement, self.quota_R)
+        route, send_DD = route_and_sends(self.counts_DE, self.placement, self.quota_R)
+        if send_DD is not None:  # made in the same pass: send_DD (a cached property) is this
+            self.__dict__["send_DD"] = send_DD
+        return route
 
     @cached_property
     def cross_node_tokens(self) -> int:

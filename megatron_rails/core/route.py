@@ -119,20 +119,32 @@ def route_csr(counts_DE: np.ndarray, placement, quota_R, compiled: bool = True) 
     (`_route_c.c`: the same entries; compiled=False forces Python). In Python, where every expert's
     tokens go to one replica (stock layouts, and every plan that splits no expert) the CSR is read
     off the counts directly: each source sends an expert's whole count to its one replica."""
+    return route_and_sends(counts_DE, placement, quota_R, compiled)[0]
+
+
+def route_and_sends(counts_DE: np.ndarray, placement, quota_R, compiled: bool = True) -> tuple:
+    """(route_csr's route, send_DD int64 [D, D] read-only: tokens rank i sends to rank j, from the
+    compiled route in the same pass; None where the route came from Python)."""
     p = placement
     quota = np.asarray(quota_R, dtype=np.int64)
     D, E = counts_DE.shape
     R = p.num_replicas
     if compiled and _KERNEL is not None and quota.shape == (R,) and R and p.num_ranks == D:
         cap = 3 * D * E + 2 * R
-        ptr, out = np.empty(D + 1, dtype=np.int64), np.empty((2, cap), dtype=np.int64)
+        ptr, out, send_DD = np.empty(D + 1, dtype=np.int64), np.empty((2, cap), dtype=np.int64), np.empty(
+            (D, D), dtype=np.int64)
         M = _KERNEL(np.ascontiguousarray(counts_DE, dtype=np.int64), p.replica_expert_R, p.replica_rank_R,
-                    np.ascontiguousarray(quota), D, E, R, p.ranks_per_node, ptr, out[0], out[1])
+                    np.ascontiguousarray(quota), D, E, R, p.ranks_per_node, ptr, out[0], out[1], send_DD)
         if M >= 0:  # else the quotas do not fit the counts: the Python path below says how
             res = (ptr, out[0, :M].copy(), out[1, :M].copy())
-            for a in res:
+            for a in (*res, send_DD):
                 a.flags.writeable = False
-            return res
+            return res, send_DD
+    return _route_python(counts_DE, p, quota), None
+
+
+def _route_python(counts_DE: np.ndarray, p, quota: np.ndarray) -> tuple[np.ndarray, ...]:
+    R = p.num_replicas
     if quota.shape == (R,) and quota.min(initial=0) >= 0:
         pos = np.flatnonzero(quota)
         e_pos = p.replica_expert_R[pos]  # ascending: replicas are numbered in (expert, rank) order
@@ -149,7 +161,7 @@ def route_csr(counts_DE: np.ndarray, placement, quota_R, compiled: bool = True) 
             for a in out:
                 a.flags.writeable = False
             return out
-    src, rep, tok = split_by_quota(counts_DE, p, quota_R)
+    src, rep, tok = split_by_quota(counts_DE, p, quota)
     return to_csr(p.num_ranks, max(p.num_replicas, 1), src, rep, tok)
 
 
