@@ -138,7 +138,7 @@ def cmd_bench(args) -> int:
         from ..bench.local import bench_local
 
         bench_local(args.out, shape_name="tiny" if args.quick else args.shape, device=args.device,
-                    dtype=args.dtype, reps=5 if args.quick else 200)
+                    dtype=args.dtype, reps=args.rounds or (5 if args.quick else 200))
         return 0
     if args.what == "step":
         _cores_check(args.ranks)  # before importing Megatron, whose import warnings would bury the message
@@ -216,7 +216,8 @@ def _add_bench(sub) -> None:
     b.add_argument("--microbatches", type=int_range("--microbatches", 1, 1024), default=8,
                    help="step: microbatches per optimizer step")
     b.add_argument("--rounds", type=int_range("--rounds", 1, 1000), default=None,
-                   help="step: timed rounds (default 6, 1 with --quick); more rounds, tighter medians")
+                   help="step: timed rounds (default 6, 1 with --quick); local: rounds per case (default "
+                        "200, 5 with --quick); more rounds, tighter medians")
     b.set_defaults(func=cmd_bench)
 
 
