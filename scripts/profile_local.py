@@ -3,6 +3,7 @@ step's median (to the device sync and to the call's return), the kernels and tor
 (torch.profiler: device time and host time per op) and the host's Python functions (cProfile).
 
     python scripts/profile_local.py [--shape mixtral-8x22b] [--device cuda] [--reps 30] [--out DIR]
+    python scripts/profile_local.py --plan-only [--reps 300]   # the planning alone, host time
 
 Writes DIR/profile.txt (the tables) and prints a one-line summary per case. A development tool:
 the figures the issue asks for come from `megatron-rails bench local`.
@@ -41,6 +42,35 @@ def _python_profile(fn, sync, calls: int = 100, rows: int = 16) -> str:
     return "\n".join(out)
 
 
+def plan_only(shape_name: str, policies, reps: int) -> None:
+    """Per policy x skew, the median host time of what a dispatch computes before it can send:
+    planner.plan, the plan's route and its split sizes (no tensors beyond the routing)."""
+    import time
+
+    import numpy as np
+
+    from megatron_rails.bench.local import routing
+    from megatron_rails.core.planners import make_planner
+    from megatron_rails.core.policy import PolicyConfig
+
+    shape = SHAPES[shape_name]
+    D, E = shape["ep"], shape["experts"]
+    for skew, s in SKEWS.items():
+        maps = [routing(shape, s, 1000 + d, "cpu") for d in range(D)]
+        counts_DE = np.stack([m.sum(dim=0).numpy() for m, _ in maps]).astype(np.int64)
+        for policy in policies:
+            planner = make_planner(policy, PolicyConfig(policy=policy).planner_config(D, E))
+            state = planner.initial_state()
+            _, state = planner.plan(counts_DE, state)
+            us = []
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                plan, _ = planner.plan(counts_DE, state)
+                plan.route, plan.send_DD
+                us.append((time.perf_counter() - t0) * 1e6)
+            print(f"{policy:8s} {skew:9s} plan + route + split sizes p50 {statistics.median(us):7.1f} us", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="mixtral-8x22b", choices=sorted(SHAPES))
@@ -48,7 +78,12 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--policies", nargs="+", default=POLICIES)
     ap.add_argument("--out", default=".")
+    ap.add_argument("--plan-only", action="store_true",
+                    help="only the planning each dispatch starts with, on the host (no device, no profile)")
     a = ap.parse_args()
+    if a.plan_only:
+        plan_only(a.shape, a.policies, a.reps)
+        return
     dev = torch.device(a.device)
     sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
     os.makedirs(a.out, exist_ok=True)
