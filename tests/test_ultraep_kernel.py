@@ -31,9 +31,10 @@ def test_kernel_is_built_where_a_compiler_exists():
     assert _compiled() is not None, "megatron_rails/core/planners/_ultraep_c.c was not built: reinstall (pip install -e .)"
 
 
-def both(cfg, counts):
-    fast = make_planner("ultraep", cfg)
-    slow = make_planner("ultraep", cfg)
+def both(cfg, counts, policy="ultraep"):
+    """The plans of `policy`'s planner with its compiled kernel and without (ultraep, fsep)."""
+    fast = make_planner(policy, cfg)
+    slow = make_planner(policy, cfg)
     slow._kernel = None
     assert fast.compiled and not slow.compiled
     return fast.plan(counts)[0], slow.plan(counts)[0]

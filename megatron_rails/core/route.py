@@ -12,10 +12,9 @@ two or more replicas (n_multi of them).
 """
 from __future__ import annotations
 
-import os
-
 import numpy as np
 
+from .compiled import compiled as find_compiled
 from .errors import PlanError
 
 
@@ -98,19 +97,7 @@ def split_by_quota(counts_DE: np.ndarray, placement, quota_R) -> tuple[np.ndarra
     return src, rep, tok
 
 
-def compiled_module():
-    """The compiled route module (`_route_c`: route_csr, rank_tables), or None where it is not
-    built or turned off (MEGATRON_RAILS_PURE_PYTHON=1, as for ultraep's kernel)."""
-    if os.environ.get("MEGATRON_RAILS_PURE_PYTHON", "") not in ("", "0"):
-        return None
-    try:
-        from . import _route_c
-    except ImportError:
-        return None
-    return _route_c
-
-
-_KERNEL = getattr(compiled_module(), "route_csr", None)
+_KERNEL = find_compiled("megatron_rails.core._route_c", "route_csr")  # None: the Python definition below
 
 
 def route_csr(counts_DE: np.ndarray, placement, quota_R, compiled: bool = True) -> tuple[np.ndarray, ...]:

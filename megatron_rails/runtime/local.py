@@ -17,7 +17,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from ..core.route import compiled_module
+from ..core.compiled import compiled
 
 STAGING_ENV = "MEGATRON_RAILS_H2D"  # pinned (default) or pageable: how per-plan tables reach a GPU
 
@@ -294,7 +294,7 @@ class _HostTables:
     receive: Optional[tuple]
 
 
-_RANK_TABLES = getattr(compiled_module(), "rank_tables", None)  # the compiled host side, where built
+_RANK_TABLES = compiled("megatron_rails.core._route_c", "rank_tables")  # the compiled host side, where built
 
 
 def _host_tables(plan, me: int, E: int, dev, receive: bool) -> _HostTables:

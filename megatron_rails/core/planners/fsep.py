@@ -15,10 +15,9 @@ it off.
 """
 from __future__ import annotations
 
-import os
-
 import numpy as np
 
+from ..compiled import compiled
 from ..plan import SHARDED, Placement, Plan, _owner_template, stock_load_D
 from .base import PlannerBase, PlannerError, even_quotas
 from .packing import lpt_place, replica_counts
@@ -28,15 +27,8 @@ _STOCK = 0  # fsep_layout's code for the stock layout (1: one replica per expert
 
 
 def _compiled():
-    """The compiled layout (`_fsep_c.fsep_layout`), or None where it is not built or turned off
-    (MEGATRON_RAILS_PURE_PYTHON=1)."""
-    if os.environ.get("MEGATRON_RAILS_PURE_PYTHON", "") not in ("", "0"):
-        return None
-    try:
-        from ._fsep_c import fsep_layout
-    except ImportError:
-        return None
-    return fsep_layout
+    """The compiled layout (`_fsep_c.fsep_layout`), or None where it is not built or turned off."""
+    return compiled("megatron_rails.core.planners._fsep_c", "fsep_layout")
 
 
 class FsepPlanner(PlannerBase):

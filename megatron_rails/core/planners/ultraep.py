@@ -18,10 +18,9 @@ and every error message stay here.
 """
 from __future__ import annotations
 
-import os
-
 import numpy as np
 
+from ..compiled import compiled
 from ..plan import OWNER, Placement, Plan, _owner_template, check_counts
 from .base import PlannerBase
 from .cascade import OwnerBlocks, cascade, cascade_np, chain_greedy, search_threshold
@@ -34,13 +33,7 @@ _VECTORIZE_FROM = 256
 
 def _compiled():
     """The compiled cascade (`_ultraep_c.cascade_plan`), or None where it is not built or turned off."""
-    if os.environ.get("MEGATRON_RAILS_PURE_PYTHON", "") not in ("", "0"):
-        return None
-    try:
-        from ._ultraep_c import cascade_plan
-    except ImportError:
-        return None
-    return cascade_plan
+    return compiled("megatron_rails.core.planners._ultraep_c", "cascade_plan")
 
 
 _STOCK, _CASCADE, _GAVE_UP = 0, 1, 2  # cascade_plan's codes (-1: a negative count)
