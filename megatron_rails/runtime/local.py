@@ -1,6 +1,8 @@
 """A rank's local token work in one MoE layer step, given the plan: which token-expert pairs go
 where (send order), how received rows group by slot (receive order) and how each token's expert
-outputs come back together (combine). Plain torch ops; the plan's tables are numpy on the host.
+outputs come back together (combine). Plain torch ops are the reference and CI's path; on CUDA
+two Triton kernels (runtime/local_triton.py) make the send order and the combine's sum. The plan's
+tables are numpy on the host, the Triton path's compiled where built (core/_route_c.c).
 
 Shape letters: docs/architecture.md (glossary). Here T local tokens, E experts, D EP ranks, S slots
 per rank, P token-expert pairs this rank sends, Q pairs it receives, H hidden size, N rows of one
