@@ -41,16 +41,11 @@ def permutation_and_inverse(order_N: np.ndarray, device) -> tuple[torch.Tensor, 
     """A permutation (numpy) and its inverse as int64 tensors on `device`, in one host-to-device copy
     (on CUDA from pinned memory, not waiting for the device)."""
     both = _host_rows(order_N.size, device)
-    _fill_permutation(both.numpy().reshape(-1), order_N)
+    both_np = both.numpy()
+    both_np[0] = order_N
+    both_np[1, order_N] = np.arange(order_N.size)
     order_t, inverse_t = both.to(device, non_blocking=True).unbind(0)
     return order_t, inverse_t
-
-
-def _fill_permutation(out_2N: np.ndarray, order_N: np.ndarray) -> None:
-    """out_2N (int64 [2N], host) <- the permutation, then its inverse."""
-    N = order_N.size
-    out_2N[:N] = order_N
-    out_2N[N + order_N] = np.arange(N)
 
 
 @dataclass
@@ -313,8 +308,7 @@ def _host_tables(plan, me: int, E: int, dev, receive: bool) -> _HostTables:
                                              out[b:c], out[c:c + Mt], out[c + Mt:])
     order = None
     if receive and not grouped:
-        sizes, take = out[c:c + n_recv], out[c + Mt:c + Mt + n_recv]
-        order = Runs(tuple(sizes.tolist()), tuple(take.tolist())) if n_recv <= MAX_RUNS else segment_order(sizes, take)
+        order = _grouping(out[c:c + n_recv], out[c + Mt:c + Mt + n_recv])
     send_D = out[a:b].tolist()
     return _HostTables(staged, M, runs_max, sum(send_D), send_D, _RunsOfPairs(out[:M], out[M:2 * M], out[2 * M:a]),
                        (order, out[b:c]) if receive else None)
@@ -361,14 +355,11 @@ def _gather_sum(y_P: torch.Tensor, by_token: torch.Tensor, k: int) -> torch.Tens
     k <= 2) one kernel, bit-identical; else one gather, then a sum over the outermost dim, which
     reads rows whole."""
     if k > 1 and _fused_sum(y_P, k):
-        from .local_triton import KernelUnavailable, gather_sum
+        from .local_triton import gather_sum
 
-        try:
-            return gather_sum(y_P, by_token, k)
-        except KernelUnavailable as err:
-            if os.environ.get(SEND_ORDER_ENV, "auto") != "auto":
-                raise err.__cause__ from None
-            _triton_failed(err.__cause__, "gather-sum")
+        out = _on_triton(lambda: gather_sum(y_P, by_token, k), "gather-sum")
+        if out is not None:
+            return out
     g = y_P.index_select(0, by_token)
     return g if k == 1 else g.view(k, by_token.numel() // k, *y_P.shape[1:]).sum(0)
 
@@ -417,11 +408,17 @@ class Runs:
     take: tuple
 
     def inverse(self) -> "Runs":
-        """The reordering that undoes this one."""
-        back = [0] * len(self.take)
-        for j, i in enumerate(self.take):
-            back[i] = j
-        return Runs(tuple(self.sizes[i] for i in self.take), tuple(back))
+        """The reordering that undoes this one (made once: dispatch, regroup's backward and combine
+        all ask for it)."""
+        inv = self.__dict__.get("_inverse")
+        if inv is None:
+            back = [0] * len(self.take)
+            for j, i in enumerate(self.take):
+                back[i] = j
+            inv = Runs(tuple(self.sizes[i] for i in self.take), tuple(back))
+            inv.__dict__["_inverse"] = self
+            self.__dict__["_inverse"] = inv
+        return inv
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
         """x [N, ...] (N = sum(sizes)) reordered; no autograd of its own (see `rows`)."""
@@ -445,10 +442,15 @@ def receive_order_host(plan, me: int) -> tuple:
     if (np.diff(slot_m[arrive]) >= 0).all():  # the rows already arrive grouped by slot
         return None, per_slot
     # the received runs taken slot-major (source order kept within a slot)
-    sizes, take = tok_M[mine][arrive], np.argsort(slot_m[arrive], kind="stable")
+    return _grouping(tok_M[mine][arrive], np.argsort(slot_m[arrive], kind="stable")), per_slot
+
+
+def _grouping(sizes: np.ndarray, take: np.ndarray):
+    """Received runs (rows int64 [n] in arrival order) taken in the order `take`: Runs up to
+    MAX_RUNS of them, else the permutation of rows (int64 [Q])."""
     if sizes.size <= MAX_RUNS:
-        return Runs(tuple(sizes.tolist()), tuple(take.tolist())), per_slot
-    return segment_order(sizes, take), per_slot
+        return Runs(tuple(sizes.tolist()), tuple(take.tolist()))
+    return segment_order(sizes, take)
 
 
 def receive_order(plan, me: int, device) -> tuple:
@@ -595,7 +597,21 @@ SEND_ORDER_ENV = "MEGATRON_RAILS_SEND_ORDER"  # auto, triton, device, host
 _TRITON_BROKEN: list = []  # the error, once the Triton kernel failed to build or launch here
 
 
-def _triton_failed(err: Exception, what: str = "send-order") -> None:
+def _on_triton(run, what: str):
+    """run() on the Triton path, or None where its kernel could not be built or launched here: in
+    auto mode that is said once and torch ops take over; asked for by name, the error itself."""
+    from .local_triton import KernelUnavailable
+
+    try:
+        return run()
+    except KernelUnavailable as err:
+        if os.environ.get(SEND_ORDER_ENV, "auto") != "auto":
+            raise err.__cause__ from None
+        _triton_failed(err.__cause__, what)
+        return None
+
+
+def _triton_failed(err: Exception, what: str) -> None:
     """A Triton kernel's first launch failed (no compiler for this GPU, a driver mismatch): warn
     once and leave the send order and the combine's sum to torch ops from then on."""
     _TRITON_BROKEN.append(err)
@@ -629,15 +645,10 @@ def send_order(plan, me: int, routing_map: torch.Tensor, probs: torch.Tensor, un
     too, as .receive (on the Triton path in the same host-to-device copy)."""
     how = send_order_path(routing_map)
     if how == "triton":
-        from .local_triton import KernelUnavailable
-
-        try:
-            return order_pairs_triton(plan, me, routing_map, probs, uniform, receive)
-        except KernelUnavailable as err:  # the kernel could not be built or launched here: say so, go on
-            if os.environ.get(SEND_ORDER_ENV, "auto") != "auto":
-                raise err.__cause__ from None  # asked for by name: the error itself
-            _triton_failed(err.__cause__)
-            how = "device"
+        so = _on_triton(lambda: order_pairs_triton(plan, me, routing_map, probs, uniform, receive), "send-order")
+        if so is not None:
+            return so
+        how = "device"
     if how == "device":
         so = order_pairs_on_device(plan, me, routing_map, probs, uniform)
     else:

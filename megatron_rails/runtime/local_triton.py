@@ -27,7 +27,7 @@ except ImportError:  # a CPU install: the torch paths serve
     triton = None
 
 
-_LAUNCHED: list = []  # set once a launch has gone through
+_LAUNCHED: list = []  # names of the kernels whose launch has gone through once
 
 
 class KernelUnavailable(RuntimeError):
@@ -90,18 +90,25 @@ def send_order_tensors(routing_map: torch.Tensor, table: torch.Tensor, M: int, r
     token_P, flat_P, by_token = out[:P], out[P:2 * P], out[2 * P:]
     BE = triton.next_power_of_2(E)
     BT = max(1, min(triton.next_power_of_2(T), 2048 // BE))  # about 2048 pairs per program
-    args = (routing_map.contiguous().view(torch.uint8), rank_ET, table, token_P, flat_P, by_token, T, E, M, runs_max)
+    _launch("send_order", _kernel(), (triton.cdiv(T, BT),), routing_map.contiguous().view(torch.uint8), rank_ET, table, token_P,
+            flat_P, by_token, T, E, M, runs_max, UNIFORM=bool(k), BT=BT, BE=BE)
+    return token_P, flat_P, (by_token if k else None)
+
+
+def _launch(name: str, kernel, grid: tuple, *args, **constexprs) -> None:
+    """kernel[grid](*args, **constexprs); KernelUnavailable where the first launch of the kernel
+    `name` fails (that one compiles: a failure there is the kernel's, not the caller's). Out of
+    memory is re-raised."""
     try:
-        _kernel()[(triton.cdiv(T, BT),)](*args, UNIFORM=bool(k), BT=BT, BE=BE)
+        kernel[grid](*args, **constexprs)
     except torch.OutOfMemoryError:
         raise
-    except Exception as err:  # noqa: BLE001  (the first launch compiles: a failure there is the kernel's)
-        if _LAUNCHED:
+    except Exception as err:  # noqa: BLE001
+        if name in _LAUNCHED:
             raise
         raise KernelUnavailable(str(err)) from err
-    if not _LAUNCHED:
-        _LAUNCHED.append(True)
-    return token_P, flat_P, (by_token if k else None)
+    if name not in _LAUNCHED:
+        _LAUNCHED.append(name)
 
 
 GATHER_SUM_MAX_K = 2  # beyond, the sum's order of additions could differ from torch's reduction
@@ -138,17 +145,5 @@ def gather_sum(y_P: torch.Tensor, by_token: torch.Tensor, k: int) -> torch.Tenso
     if T == 0 or H == 0:
         return out
     BH = min(1024, triton.next_power_of_2(H))
-    try:
-        _gather_sum_kernel()[(T, triton.cdiv(H, BH))](y_P, by_token, out, T, H, K=k, BH=BH)
-    except torch.OutOfMemoryError:
-        raise
-    except Exception as err:  # noqa: BLE001  (as send_order_tensors: a first launch's failure is the kernel's)
-        if _SUM_LAUNCHED:
-            raise
-        raise KernelUnavailable(str(err)) from err
-    if not _SUM_LAUNCHED:
-        _SUM_LAUNCHED.append(True)
+    _launch("gather_sum", _gather_sum_kernel(), (T, triton.cdiv(H, BH)), y_P, by_token, out, T, H, K=k, BH=BH)
     return out
-
-
-_SUM_LAUNCHED: list = []

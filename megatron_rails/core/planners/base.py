@@ -107,6 +107,11 @@ class PlannerBase:
     def counts(self, counts_DE) -> np.ndarray:
         return check_counts(counts_DE, self.cfg.num_ranks, self.cfg.num_experts)
 
+    @property
+    def tol_limit(self) -> float:
+        """1 + tolerance, or 0 without one: the compiled planners' form of the tolerance."""
+        return 1.0 + self.cfg.tolerance if self.cfg.tolerance else 0.0
+
     def tolerated(self, max_load: int, total: int) -> bool:
         """Whether a stock layout whose busiest rank computes max_load of `total` tokens is within
         the configured tolerance (max/mean <= 1 + tolerance): then no weights move."""

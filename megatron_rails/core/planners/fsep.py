@@ -42,7 +42,6 @@ class FsepPlanner(PlannerBase):
         self._stock = Placement(_owner_template(cfg.num_experts, cfg.num_ranks, cfg.slots), cfg.num_experts,
                                 cfg.ranks_per_node, SHARDED, 0)
         self._kernel = _compiled()
-        self._tol_limit = 1.0 + cfg.tolerance if cfg.tolerance else 0.0
 
     @property
     def compiled(self) -> bool:
@@ -56,7 +55,7 @@ class FsepPlanner(PlannerBase):
         load_E = counts.sum(axis=0)
         if self._kernel is not None:  # the same layout, compiled (_fsep_c.c)
             slot_DS = np.empty((D, C), dtype=np.int64)
-            code, replicas, unplaced = self._kernel(load_E, D, E, C, self._tol_limit, slot_DS)
+            code, replicas, unplaced = self._kernel(load_E, D, E, C, self.tol_limit, slot_DS)
             if code == _STOCK:
                 return self._stock_plan(counts, load_E), None
             return self._finish(counts, load_E, slot_DS, replicas=replicas, unplaced=unplaced), None

@@ -56,7 +56,6 @@ class UltraEPPlanner(PlannerBase):
         self._stock = Placement.owner_from_pairs(cfg.num_experts, cfg.num_ranks, cfg.ranks_per_node, cfg.slots, (), ())
         self._stock.replica_expert_R  # its replica table, computed once for every plan that shares it
         self._kernel = _compiled()
-        self._tol_limit = 1.0 + cfg.tolerance if cfg.tolerance else 0.0
 
     @property
     def compiled(self) -> bool:
@@ -73,7 +72,7 @@ class UltraEPPlanner(PlannerBase):
         se = np.empty((D, self._L + cfg.slots), dtype=np.int64)
         table = np.empty((4, E + D), dtype=np.int64)
         info = np.empty(4, dtype=np.int64)
-        code = self._kernel(counts, D, E, cfg.ranks_per_node, cfg.slots, self._tol_limit, load_E, se, table, info)
+        code = self._kernel(counts, D, E, cfg.ranks_per_node, cfg.slots, self.tol_limit, load_E, se, table, info)
         if code < 0:
             check_counts(counts, D, E)  # raises, naming the negative entry
         lo, X = int(info[0]), int(info[2])
