@@ -1,7 +1,8 @@
 """`megatron-rails bench step`: refuses more ranks than cores in one line; a quick run writes every
 (routing, policy) row with the issue's fields, and its figures hang together: `none` is its own
 reference, the forced-balanced routing really is balanced, fsep fetches its slots once per step
-(less than per-microbatch movement would send) and weights move only for balancing policies."""
+(less than per-microbatch movement would send) and weights move only for balancing policies; its
+progress on stderr is clean (no warnings) and 80 columns wide."""
 import json
 import os
 import subprocess
@@ -35,6 +36,9 @@ def test_quick_run_rows(tmp_path):
     p = subprocess.run(CLI + ["--out", str(out), "--ranks", str(ranks), "--microbatches", "2", "--quick"],
                        capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
+    # what the ranks and Megatron-Core's imports print stays out of the user's terminal; the progress
+    # lines fit 80 columns
+    assert "Warning" not in p.stderr and max(map(len, p.stderr.splitlines())) <= 80, p.stderr
     res = json.loads(out.read_text())
     assert res["meta"]["reps"] == 1  # --quick: one timed round
     rows = {(r["skew"], r["policy"]): r for r in res["rows"]}

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import sys
+import warnings
 
 from ..core.errors import ChildFailed, InputError, PlanError
 from .args import CliParser, divisor_of, flag_error, float_range, int_range, out_file
@@ -288,6 +289,9 @@ def report(prog: str, err: BaseException) -> None:
 
 
 def main(argv=None) -> int:
+    # Megatron-Core says at import which GPU extras (Apex, Transformer Engine) it falls back from and
+    # which of its config fields are deprecated: noise beside these tools' own CPU models
+    warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron(\.core|_fsdp)")
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
