@@ -138,3 +138,20 @@ def test_bench_dispatcher_quick(tmp_path):
     assert res["targets"]["zipf_max_over_mean_le_1_05"] == {p: p != "none" for p in policies}
     floor = res["meta"]["fsep_weight_exchange"]
     assert floor["bytes_per_rank"] == E * -(-3 * H * F // D) * 4 and floor["ms_p50"] > 0
+
+
+@pytest.mark.skipif(sys.version_info[:2] != (3, 11), reason="argparse lays out --help differently in other Pythons; "
+                    "docs/cli.md is generated under 3.11, CI's")
+def test_cli_reference_is_generated():
+    """docs/cli.md is every command's --help as the parser gives it now; every command is in it."""
+    from pathlib import Path
+
+    from megatron_rails.cli.reference import generate
+
+    committed = (Path(__file__).resolve().parents[1] / "docs" / "cli.md").read_text()
+    assert committed == generate(), "docs/cli.md is stale: python -m megatron_rails.cli.reference --out docs/cli.md"
+    for cmd in ("plan", "bench", "simulate a2a", "simulate run", "trace", "soak", "demo", "config validate",
+                "config show", "config docs"):
+        assert f"## `megatron-rails {cmd}`" in committed
+    assert "--rounds ROUNDS" in committed and "--get KEY" in committed  # flags no other doc lists
+    assert max(len(ln) for ln in committed.split("```text")[1].splitlines()) <= 80

@@ -252,8 +252,8 @@ def _add_demo(sub) -> None:
     d.add_argument("--microbatches", type=int_range("--microbatches", 1, 1024), default=4,
                    help="microbatches per optimizer step (accumulated)")
     d.add_argument("--ranks", type=divisor_of("--ranks", DEMO_EXPERTS, "the demo model's experts"),
-                   help="CPU ranks (= expert-parallel size; divides the 8 experts; default: min(4, cores), every "
-                        "rank on a core of its own)")
+                   help="CPU ranks (= expert-parallel size; divides the 8 experts; default: the cores, at least 2 "
+                        "and at most 4; every rank on a core of its own where the cores suffice)")
     d.add_argument("--plot", type=out_file("--plot"), default="demo-imbalance.png", help="PNG of imbalance per step")
     d.add_argument("--planners", action="store_true", help="instead: compare every planner on skewed steps")
     d.add_argument("--json", action="store_true", help="print the summary as one JSON object")

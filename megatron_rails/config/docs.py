@@ -72,7 +72,7 @@ Three kinds of YAML, one loader (`megatron_rails.config.run.load_any`, `megatron
 
 | kind | where | recognized by |
 |------|-------|---------------|
-| run config | configs/mixtral/, configs/mini/ | a `model`, `parallelism` or `training` key |
+| run config | configs/mixtral/, configs/mini/, configs/deepseek/ | a `model`, `parallelism` or `training` key |
 | policy | configs/policies/ | its directory, or a `policy` key |
 | topology | configs/topology/ | its directory, or a `gpus_per_node` key |
 
