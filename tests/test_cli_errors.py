@@ -112,6 +112,15 @@ CASES = [
     ("config show typo kind", ["config", "show", "{tmp}/typo.yaml"], "did you mean 'policy'"),
     ("config docs out directory", ["config", "docs", "--out", "{tmp}"], "--out"),
     ("no command", [], "COMMAND"),
+    # files that are no config or counts at all: not text, nested without end, cut off
+    ("config show not utf-8", ["config", "show", "{tmp}/latin1.yaml"], "UTF-8"),
+    ("topology not utf-8", ["simulate", "a2a", "--nodes", "2", "--topology", "{tmp}/latin1.yaml"], "UTF-8"),
+    ("demo config nested deep", ["demo", "--config", "{tmp}/deep.yaml"], "nested"),
+    ("config show duplicate key", ["config", "show", "{tmp}/dup.yaml"], "given twice"),
+    ("plan counts empty npy", PLAN + ["--counts", "{tmp}/zero.npy"], "zero.npy"),
+    ("plan counts empty npz", PLAN + ["--counts", "{tmp}/zero.npz"], "zero.npz"),
+    ("plan counts cut npz", PLAN + ["--counts", "{tmp}/cut.npz"], "cut.npz"),
+    ("plan counts deep json", PLAN + ["--counts", "{tmp}/deep.json"], "nested"),
 ]
 
 FILES = {  # name: YAML text, or a counts array
@@ -122,6 +131,13 @@ FILES = {  # name: YAML text, or a counts array
     "c.npy": np.array([[0, 0, 100, 0, 0, 20, 0, 0]] * 4),
     "neg.npy": np.array([[1, -1]]),
     "big.npy": np.full((2, 2), 2**62 - 1),
+    "latin1.yaml": "policy: fsep\n# Gr\u00fc\u00dfe\n".encode("latin-1"),
+    "deep.yaml": "[" * 100_000,
+    "dup.yaml": "policy: fsep\nslots: 1\npolicy: eplb\n",  # PyYAML alone would run eplb
+    "zero.npy": b"",
+    "zero.npz": b"",
+    "cut.npz": b"PK\x03\x04" + bytes(20),
+    "deep.json": "[" * 100_000 + "]" * 100_000,
 }
 
 
@@ -131,6 +147,8 @@ def tmp(tmp_path_factory) -> Path:
     for name, content in FILES.items():
         if isinstance(content, str):
             (d / name).write_text(content)
+        elif isinstance(content, bytes):
+            (d / name).write_bytes(content)
         else:
             np.save(d / name, content.astype(np.int64))
     return d

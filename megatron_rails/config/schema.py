@@ -15,6 +15,7 @@ import typing
 from pathlib import Path
 
 from ..core.policy import ConfigError
+from ..core.yamlfile import read_mapping
 
 # integer keys of run-config sections are Megatron-LM arguments and tensor sizes: int32 in Megatron-Core and
 # torch's kernels (policy and topology keys check their own, tighter, ranges)
@@ -149,23 +150,8 @@ def parse_override(text: str) -> tuple[list[str], object]:
 
 
 def read_yaml(path) -> dict:
-    import yaml
-
-    p = Path(path)
-    if p.is_dir():
-        raise ConfigError(f"{p}: is a directory, not a YAML file")
-    if not p.is_file():
-        raise ConfigError(f"{p}: file not found")
-    try:
-        data = yaml.safe_load(p.read_text())
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{p}: not valid YAML: {' '.join(str(e).split())}") from None
-    if data is None:  # the same error for every kind and every command (PolicyConfig.from_yaml says it too)
-        raise ConfigError(f"{p}: the file is empty; expected a run, policy or topology config (a mapping of "
-                          f"keys to values)")
-    if not isinstance(data, dict):
-        raise ConfigError(f"{p}: expected a mapping of keys to values at the top level")
-    return data
+    return read_mapping(path, ConfigError, "YAML",
+                        "expected a run, policy or topology config (a mapping of keys to values)")
 
 
 def resolve_ref(ref: str, base: Path, preset_dir: Path, root: Path | None) -> Path | None:

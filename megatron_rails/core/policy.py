@@ -114,22 +114,10 @@ class PolicyConfig:
 
     @classmethod
     def from_yaml(cls, path) -> "PolicyConfig":
-        import yaml
+        from .yamlfile import read_mapping
 
-        p = Path(path)
-        if p.is_dir():
-            raise ConfigError(f"{p}: is a directory, not a policy config file")
-        if not p.is_file():
-            raise ConfigError(f"{p}: policy config file not found")
-        try:
-            data = yaml.safe_load(p.read_text())
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{p}: not valid YAML: {' '.join(str(e).split())}") from None
-        if data is None:  # an empty file is a mistake, not "all defaults": say so everywhere alike
-            raise ConfigError(f"{p}: the file is empty; a policy config needs at least 'policy: NAME'")
-        if not isinstance(data, dict):
-            raise ConfigError(f"{p}: expected a mapping of keys to values at the top level")
-        return cls.from_dict(data, str(p))
+        data = read_mapping(path, ConfigError, "policy config", "a policy config needs at least 'policy: NAME'")
+        return cls.from_dict(data, str(Path(path)))
 
     @property
     def sharded(self) -> bool:

@@ -18,6 +18,7 @@ import numpy as np
 
 from . import presets as _presets
 from .policy import ConfigError, from_mapping
+from .yamlfile import read_mapping
 
 PRESET_DIR = _presets.TOPOLOGY_DIR
 # (key, lowest, highest): bounds far beyond any machine, so a typo fails here, not in the simulator's arrays
@@ -113,8 +114,6 @@ def presets() -> list[str]:
 
 def load_topology(name_or_path) -> Topology:
     """A preset name (presets/topology/NAME.yaml) or a path to a topology YAML."""
-    import yaml
-
     if isinstance(name_or_path, Topology):
         return name_or_path
     p = Path(name_or_path)
@@ -123,17 +122,6 @@ def load_topology(name_or_path) -> Topology:
         if not p.is_file():
             raise ConfigError(f"unknown topology {name_or_path!r}; presets: {', '.join(presets())} "
                               f"(or give a path to a YAML file)")
-    if p.is_dir():
-        raise ConfigError(f"{p}: is a directory, not a topology file")
-    if not p.is_file():
-        raise ConfigError(f"{p}: topology file not found")
-    try:
-        data = yaml.safe_load(p.read_text())
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{p}: not valid YAML: {' '.join(str(e).split())}") from None
-    if data is None:
-        raise ConfigError(f"{p}: the file is empty; a topology needs at least gpus_per_node and rails_per_node")
-    if not isinstance(data, dict):
-        raise ConfigError(f"{p}: expected a mapping of keys to values at the top level")
+    data = read_mapping(p, ConfigError, "topology", "a topology needs at least gpus_per_node and rails_per_node")
     data.setdefault("name", p.stem)
     return Topology.from_dict(data, str(p))

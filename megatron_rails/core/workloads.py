@@ -416,13 +416,15 @@ def load_counts(path: str | os.PathLike) -> np.ndarray:
     if _suffix(p) == ".npy":
         try:
             data = np.load(p, allow_pickle=False)
-        except (ValueError, OSError) as err:
+        except (ValueError, OSError, EOFError) as err:  # EOFError: an empty or cut-off file
             raise WorkloadError(f"{p}: not a readable .npy array ({err})") from None
     else:
         try:
             data = json.loads(p.read_text())
         except (ValueError, UnicodeDecodeError) as err:
             raise WorkloadError(f"{p}: invalid JSON ({err})") from None
+        except RecursionError:
+            raise WorkloadError(f"{p}: nested too deeply to be counts (at most [steps, layers, ranks, experts])") from None
         if isinstance(data, dict) and "counts" not in data:
             raise WorkloadError(f"{p}: JSON object has no 'counts' key (keys: {sorted(data)})")
         data = data["counts"] if isinstance(data, dict) else data

@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -143,10 +144,10 @@ def load_trace(path) -> tuple[np.ndarray, dict]:
                 raise TraceError(f"{p}: no 'counts' array in the .npz (arrays: {', '.join(z.files)})")
             c = z["counts"]
             meta = json.loads(str(z["meta"])) if "meta" in z.files else {}
-    except (ValueError, OSError) as err:
+    except (ValueError, OSError, EOFError, zipfile.BadZipFile) as err:  # EOFError: empty; BadZipFile: cut off
         if isinstance(err, TraceError):
             raise
-        raise TraceError(f"{p}: not a readable trace .npz ({err})") from None
+        raise TraceError(f"{p}: not a readable trace .npz ({err or type(err).__name__})") from None
     if c.ndim != 4 or c.dtype.kind not in "iu" or 0 in c.shape or c.min() < 0:
         raise TraceError(f"{p}: counts must be non-negative integers [steps, layers, ranks, experts], "
                          f"got shape {c.shape} dtype {c.dtype}")
