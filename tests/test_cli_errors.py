@@ -121,6 +121,14 @@ CASES = [
     ("plan counts empty npz", PLAN + ["--counts", "{tmp}/zero.npz"], "zero.npz"),
     ("plan counts cut npz", PLAN + ["--counts", "{tmp}/cut.npz"], "cut.npz"),
     ("plan counts deep json", PLAN + ["--counts", "{tmp}/deep.json"], "nested"),
+    ("plan counts too many ranks", PLAN + ["--counts", "{tmp}/wide.npy"], "at most 4096"),
+    ("config show experts 1e9", ["config", "show", MINI, "model.num_experts=1000000000"], "model.num_experts"),
+    # outputs that cannot be written, found before the work
+    ("out under /proc", ["config", "docs", "--out", "/proc/megatron-rails-x.md"], "cannot write"),
+    ("out empty", ["config", "docs", "--out", ""], "--out"),
+    ("plot format", ["simulate", "run", MINI, "--plot", "{tmp}/p.txt"], "--plot"),
+    ("bench local meta device", ["bench", "local", "--quick", "--out", "{tmp}/l.json", "--device", "meta"], "--device"),
+    ("soak nothing", ["soak", "--planner-calls", "0", "--steps", "0"], "nothing"),
 ]
 
 FILES = {  # name: YAML text, or a counts array
@@ -138,6 +146,7 @@ FILES = {  # name: YAML text, or a counts array
     "zero.npz": b"",
     "cut.npz": b"PK\x03\x04" + bytes(20),
     "deep.json": "[" * 100_000 + "]" * 100_000,
+    "wide.npy": np.ones((5000, 2)),
 }
 
 
@@ -329,3 +338,29 @@ def test_unknown_presets_and_skews_name_what_is_accepted(capsys):
     for bad in ("plan:ultraep:zipf", "plan:ultraep:file:x.npy"):
         rc, _, err = run_cli(["simulate", "a2a", "--nodes", "2", "--traffic", bad], capsys)
         assert rc == 2 and f"(SKEW: {forms})" in err and err.count("\n") == 1, err
+
+
+def test_plot_without_suffix_is_png_and_named_so(tmp, capsys):
+    """--plot NAME writes NAME.png and says so (matplotlib adds the suffix itself)."""
+    rc, out, err = run_cli(["simulate", "run", MINI, "--plot", str(tmp / "fig")], capsys)
+    assert rc == 0, err
+    assert (tmp / "fig.png").is_file() and f"wrote {tmp / 'fig.png'}" in out + err
+
+
+def test_full_disk_and_closed_pipe_are_one_line(tmp):
+    """A write the machine refuses (/dev/full) is one error line, exit 1; a reader that leaves
+    (`| head -1`) ends the command quietly, exit 1: no traceback either way."""
+    import subprocess
+    import sys
+
+    cli = [sys.executable, "-m", "megatron_rails.cli"]
+    p = subprocess.run(cli + ["config", "docs", "--out", "/dev/full"], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr
+    assert p.stderr.strip().splitlines() == ["megatron-rails config docs: error: No space left on device"]
+    r, w = os.pipe()
+    os.close(r)  # the reader is gone before the first write: every write fails (EPIPE)
+    try:
+        p = subprocess.run(cli + ["config", "show", MINI], stdout=w, stderr=subprocess.PIPE, text=True, timeout=120)
+    finally:
+        os.close(w)
+    assert p.returncode == 1 and p.stderr == "", p.stderr

@@ -215,6 +215,10 @@ def bench_local(out: str, shape_name: str = "mixtral-8x7b", device: str = "cpu",
         dev = torch.device(device)
     except RuntimeError:
         raise InputError(f"--device: {device!r} is not a torch device (cpu, cuda, cuda:N)") from None
+    if dev.type not in ("cpu", "cuda"):  # meta holds no data, others run neither path
+        raise InputError(f"--device {device!r}: the benchmark times work on cpu or cuda (cuda:N)")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise InputError(f"--device {device!r}: torch sees {torch.cuda.device_count()} CUDA device(s) here")
     shape, dt = SHAPES[shape_name], getattr(torch, dtype)
     sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
     from ..megatron.models import MCORE_VERSION

@@ -108,15 +108,53 @@ def divisor_of(name: str, n: int, what: str):
 
 
 def out_file(name: str):
-    """argparse type: a path a result can be written to (its directory exists; it is not a directory),
-    checked before the work rather than after it."""
+    """argparse type: a path a result can be written to (its directory exists, it is not a directory,
+    and a file can be opened there for writing), checked before the work rather than after it."""
     def conv(text: str) -> str:
         p = Path(text)
+        if not text.strip():
+            raise argparse.ArgumentTypeError(f"{name}: empty; give a file name")
         if p.is_dir():
             raise argparse.ArgumentTypeError(f"{name} {text!r} is a directory; give a file name")
         if not p.parent.is_dir():
             raise argparse.ArgumentTypeError(f"{name} {text!r}: directory {str(p.parent)!r} does not exist")
+        _probe_writable(name, p)
         return text
+    return conv
+
+
+def _probe_writable(name: str, p: Path) -> None:
+    """Open p for writing without changing it (append; a file made here is removed again): what the
+    directory's permission bits cannot tell (a read-only mount, /proc, root's view of them)."""
+    existed = p.exists()
+    try:
+        with open(p, "a"):
+            pass
+    except OSError as err:
+        raise argparse.ArgumentTypeError(f"{name} {str(p)!r}: cannot write there ({err.strerror})") from None
+    if not existed:
+        p.unlink(missing_ok=True)
+
+
+# what matplotlib's savefig writes (Agg, PDF, PS, SVG, PGF backends)
+PLOT_SUFFIXES = (".png", ".pdf", ".svg", ".svgz", ".eps", ".ps", ".jpg", ".jpeg", ".tif", ".tiff", ".webp", ".pgf")
+
+
+def plot_file(name: str):
+    """argparse type: out_file for a figure, whose suffix says its format (one of PLOT_SUFFIXES);
+    without one, .png is added (the name printed is then the file written)."""
+    check = out_file(name)
+
+    def conv(text: str) -> str:
+        suffix = Path(text).suffix.lower()
+        if Path(text).is_dir() or not text.strip():
+            return check(text)  # its own error: a directory, no name
+        if not suffix:
+            text += ".png"
+        elif suffix not in PLOT_SUFFIXES:
+            raise argparse.ArgumentTypeError(f"{name} {text!r}: a figure's format comes from its suffix; "
+                                             f"use one of {', '.join(PLOT_SUFFIXES)}")
+        return check(text)
     return conv
 
 

@@ -6,15 +6,15 @@ traceback)."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 import warnings
 
 from ..core.errors import ChildFailed, InputError, PlanError
-from .args import CliParser, divisor_of, flag_error, float_range, int_range, out_file
+from .args import CliParser, divisor_of, flag_error, float_range, int_range, out_file, plot_file
 
 # bounds far beyond real expert parallelism, there so that a typo fails here and not in numpy
 MAX_RANKS = 4096
-MAX_EXPERTS = 4096
 MAX_TOKENS = 1 << 20     # tokens per rank per step
 MAX_SEED = 2**32 - 1
 DEFAULT_RANKS, DEFAULT_EXPERTS = 8, 8
@@ -27,7 +27,7 @@ USER_ERRORS = (InputError, PlanError, ChildFailed, FileNotFoundError, IsADirecto
 
 
 def _add_workload_args(p) -> None:
-    from ..core.policy import MAX_SLOTS
+    from ..core.policy import MAX_EXPERTS, MAX_SLOTS
     from ..core.workloads import SKEW_FORMS
 
     p.add_argument("--ranks", type=int_range("--ranks", 1, MAX_RANKS),
@@ -55,7 +55,10 @@ def _counts_from_args(args):
 
     if args.counts:
         return _counts_file(args)
-    spec = WorkloadSpec(num_ranks=args.ranks or DEFAULT_RANKS, num_experts=args.experts or DEFAULT_EXPERTS,
+    E = args.experts or DEFAULT_EXPERTS
+    if args.topk > E:
+        raise InputError(f"--topk {args.topk}: more than the {E} experts (--experts)")
+    spec = WorkloadSpec(num_ranks=args.ranks or DEFAULT_RANKS, num_experts=E,
                         topk=args.topk, tokens_per_rank=args.tokens_per_rank, skew=args.skew, seed=args.seed)
     return counts(spec)
 
@@ -64,11 +67,17 @@ def _counts_file(args):
     """The first [D, E] matrix of --counts; --ranks / --experts, if given, must agree with it."""
     from pathlib import Path
 
+    from ..core.policy import MAX_EXPERTS
     from ..demo.trace import load_trace
 
     if Path(args.counts).is_dir():
         raise InputError(f"--counts {args.counts}: is a directory, not a counts file")
+    if not Path(args.counts).is_file():
+        raise InputError(f"--counts {args.counts}: file not found")
     c = load_trace(args.counts)[0][0, 0]  # every counts format and the trace .npz, as [steps, layers, D, E]
+    for flag, n, most in (("ranks", c.shape[0], MAX_RANKS), ("experts", c.shape[1], MAX_EXPERTS)):
+        if n > most:  # the bounds --ranks and --experts have
+            raise InputError(f"--counts {args.counts}: {n} {flag}; at most {most}")
     for flag, given, got in (("--ranks", args.ranks, c.shape[0]), ("--experts", args.experts, c.shape[1])):
         if given is not None and given != got:
             raise InputError(f"{flag} {given} disagrees with --counts {args.counts}, which is [D={c.shape[0]}, "
@@ -207,7 +216,7 @@ def _add_bench(sub) -> None:
     b = sub.add_parser("bench", help="benchmarks; results as JSON (+ PNG)")
     b.add_argument("what", choices=["planners", "dispatcher", "rails", "local", "step"], help="which benchmark")
     b.add_argument("--out", required=True, type=out_file("--out"), help="JSON output file")
-    b.add_argument("--plot", type=out_file("--plot"), help="PNG output (default: next to --out)")
+    b.add_argument("--plot", type=plot_file("--plot"), help="PNG output (default: next to --out)")
     b.add_argument("--quick", action="store_true", help="a small grid for smoke runs")
     b.add_argument("--device", default="cpu", help="local: torch device of the timed work (cpu, cuda, cuda:N)")
     b.add_argument("--shape", default="mixtral-8x7b", choices=BENCH_SHAPES, help="local: the layer shape")
@@ -225,6 +234,8 @@ def _add_bench(sub) -> None:
 def _run_soak(args) -> int:
     from ..reliability.soak import run_soak
 
+    if args.planner_calls == 0 and args.steps == 0:  # "ok" after checking nothing would mislead
+        raise InputError("--planner-calls 0 and --steps 0 skip both parts: nothing to soak")
     return run_soak(args.planner_calls, args.steps, args.ranks, args.out, args.json)
 
 
@@ -254,7 +265,7 @@ def _add_demo(sub) -> None:
     d.add_argument("--ranks", type=divisor_of("--ranks", DEMO_EXPERTS, "the demo model's experts"),
                    help="CPU ranks (= expert-parallel size; divides the 8 experts; default: the cores, at least 2 "
                         "and at most 4; every rank on a core of its own where the cores suffice)")
-    d.add_argument("--plot", type=out_file("--plot"), default="demo-imbalance.png", help="PNG of imbalance per step")
+    d.add_argument("--plot", type=plot_file("--plot"), default="demo-imbalance.png", help="PNG of imbalance per step")
     d.add_argument("--planners", action="store_true", help="instead: compare every planner on skewed steps")
     d.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     d.set_defaults(func=cmd_demo)
@@ -294,11 +305,23 @@ def main(argv=None) -> int:
     warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron(\.core|_fsdp)")
     parser = build_parser()
     args = parser.parse_args(argv)
+    prog = getattr(args, "command_prog", parser.prog)
     try:
         return args.func(args)
     except USER_ERRORS as err:
-        report(getattr(args, "command_prog", parser.prog), err)
+        report(prog, err)
         return 2
+    except BrokenPipeError:
+        # the reader left (`... | head`): stop quietly; what is still buffered goes nowhere, so that
+        # the interpreter's own flush at exit does not raise again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+    except OSError as err:
+        # the machine refused a write or read the arguments could not foresee (disk full, a device
+        # file): one line, as for bad input, with the operating system's reason
+        where = f": {err.filename}" if err.filename else ""
+        report(prog, OSError(f"{err.strerror or err}{where}"))
+        return 1
 
 
 if __name__ == "__main__":

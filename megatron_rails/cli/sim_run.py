@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 import sys
 
-from .args import int_range, out_file
+from .args import int_range, plot_file
 from .config import override_help
 from ..core.policy import MAX_SLOTS
 from ..sim.model import A2A_MODELS, OVERLAPS, WEIGHT_SYNCS
@@ -55,7 +55,7 @@ def register_run(subparsers) -> None:
                         "group spans nodes; default: the config's balancer.dedup, true unless it is set)")
     p.add_argument("--json", action="store_true", help="print one JSON object (setup, options, assumptions, rows)")
     p.add_argument("--wide", action="store_true", help="every column of the table (wider than 80 characters)")
-    p.add_argument("--plot", type=out_file("--plot"), metavar="FILE.png",
+    p.add_argument("--plot", type=plot_file("--plot"), metavar="FILE.png",
                    help="write a PNG of stacked bars per policy x comm (default: no plot)")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     p.set_defaults(func=cmd_run)

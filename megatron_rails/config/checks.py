@@ -23,6 +23,7 @@ def ep_ranks_per_node(gpus_per_node: int, ep: int, etp: int) -> int:
 def check_run(cfg, where: str, origin: dict):
     """`cfg` with derived values filled in; ConfigError listing every cross-section problem."""
     from ..core.planners import PlannerError, make_planner
+    from ..core.policy import MAX_EXPERTS
     from .schema import raise_errors
 
     errors = []
@@ -65,6 +66,8 @@ def check_run(cfg, where: str, origin: dict):
                 f"{m.num_attention_heads}")
         if m.num_query_groups % tp:
             err("model.num_query_groups", f"{m.num_query_groups} is not divisible by tensor_model_parallel_size {tp}")
+    if m.num_experts > MAX_EXPERTS:  # the planners' tables are [ranks, experts]: refuse before building one
+        err("model.num_experts", f"{m.num_experts}: at most {MAX_EXPERTS} experts per layer")
     if m.moe_router_topk > m.num_experts:
         err("model.moe_router_topk", f"{m.moe_router_topk} exceeds num_experts {m.num_experts}")
     if m.position_embedding_type == "learned_absolute" and (m.max_position_embeddings or m.seq_length) < m.seq_length:
@@ -94,7 +97,8 @@ def check_run(cfg, where: str, origin: dict):
                 f"expert-parallel group on a node (topology.gpus_per_node {G} / expert tensor parallel {etp}, "
                 f"at most expert_model_parallel_size {ep}); set {G_ep}, or 0 to derive it")
         try:
-            make_planner(bal.policy, bal.planner_config(ep, m.num_experts))
+            if m.num_experts <= MAX_EXPERTS:
+                make_planner(bal.policy, bal.planner_config(ep, m.num_experts))
         except PlannerError as e:
             err("balancer.policy", f"{bal.policy!r} cannot serve this layout: {e}")
     if m.num_experts % ep and not any("balancer.policy" in x for x in errors):

@@ -17,6 +17,7 @@ from . import presets
 from .errors import InputError
 
 COMMS = ("direct", "rails")
+MAX_EXPERTS = 4096  # experts per layer the planners take: far beyond real MoE models (DeepSeek-V3: 256)
 MAX_SLOTS = 1024  # redundant slots per rank; more than any rank can hold experts for, and a bound
                   # that keeps a typo (slots: 99999999999999999999) from reaching the planners' arrays
 # (lowest, highest) of the integer keys; 0 ranks_per_node = the launcher's ranks per node
