@@ -43,3 +43,21 @@ def test_bad_configs_name_file_and_key(tmp_path, text, match):
 def test_missing_file():
     with pytest.raises(ConfigError, match="not found"):
         PolicyConfig.from_yaml("/nonexistent/policy.yaml")
+
+
+def test_exponent_without_dot_reads_as_a_number_everywhere(tmp_path):
+    """YAML 1.1 reads `1e-2` and `4e2` (no dot) as strings; every loader takes them as the numbers a
+    user meant, the policy and topology loaders as the run-config loader does (they disagreed)."""
+    from megatron_rails.config.run import load_any
+    from megatron_rails.core.topology import load_topology
+
+    pol = tmp_path / "p.yaml"
+    pol.write_text("policy: ultraep\ntolerance: 1e-2\n")
+    assert PolicyConfig.from_yaml(pol).tolerance == 0.01
+    topo = tmp_path / "t.yaml"
+    topo.write_text("gpus_per_node: 8\nrails_per_node: 8\nnic_gbps: 4e2\n")
+    assert load_topology(str(topo)).nic_gbps == 400.0
+    assert load_any(str(topo)).nic_gbps == 400.0
+    pol.write_text("policy: ultraep\ntolerance: 1e-2x\n")
+    with pytest.raises(ConfigError, match="tolerance"):
+        PolicyConfig.from_yaml(pol)

@@ -350,3 +350,19 @@ def test_plan_digest_identical_in_subprocess():
     counts = rng.multinomial(5000, rng.dirichlet(np.ones(24) * 0.2), size=8).astype(np.int64)
     here, _ = make_planner("lp", PlannerConfig(8, 24, 4, 2, placement="static")).plan(counts)
     assert runs[0].split()[1] == here.digest()
+
+
+def test_solvers_print_nothing():
+    """The LP oracle and the slot-budget bound write nothing to stdout (HiGHS prints a banner at a
+    process's first solver whatever its options say): `plan --json` and `bench` output stay clean."""
+    import subprocess
+    import sys
+
+    code = ("import numpy as np\n"
+            "from megatron_rails.core.oracle import lp_min_max, random_instance, slot_budget_lower_bound\n"
+            "load, placement = random_instance(np.random.default_rng(0), 8, 16, 2)\n"
+            "lp_min_max(load, placement)\n"
+            "slot_budget_lower_bound(np.r_[1000, np.ones(15)], 8, 2)\n")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout == "", p.stdout

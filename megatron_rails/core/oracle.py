@@ -14,7 +14,10 @@ with tokens (`act` in `slot_budget_lower_bound`).
 """
 from __future__ import annotations
 
+import functools
 import math
+import os
+import sys
 import time
 
 import numpy as np
@@ -22,9 +25,31 @@ import numpy as np
 from .plan import OWNER, SHARDED, Placement, PlanError, owner_of_experts
 
 
+@functools.cache
+def _highs_banner_spent() -> bool:
+    """HiGHS prints a two-line banner to file descriptor 1 when a process makes its first solver,
+    before any option can silence it (into a `--json` stdout, past 80 columns): make that first one
+    here, with descriptor 1 on /dev/null. False where highspy is missing."""
+    try:
+        import highspy
+    except ImportError:
+        return False
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 1)
+            highspy.Highs()
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+    return True
+
+
 def _pulp_solver():
     import pulp
 
+    _highs_banner_spent()
     solver = pulp.HiGHS(msg=False)
     # the API solver needs highspy; CBC ships with pulp and is slower but always there
     return solver if solver.available() else pulp.PULP_CBC_CMD(msg=False)
@@ -190,6 +215,7 @@ def _slot_highs(c_E, owner_E, m_D, D: int, S: int, sharded: bool):
     lp.a_matrix_.start_ = start.astype(np.int32)
     lp.a_matrix_.index_ = index
     lp.a_matrix_.value_ = value
+    _highs_banner_spent()
     h = highspy.Highs()
     h.setOptionValue("output_flag", False)
     h.passModel(lp)

@@ -10,6 +10,7 @@ a dispatcher built without a policy takes `PolicyConfig()`.
 from __future__ import annotations
 
 import dataclasses
+import typing
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,12 +38,26 @@ def from_mapping(cls, data: dict, where: str = "<dict>"):
     if unknown:
         raise ConfigError(f"{where}: unknown key(s) {', '.join(unknown)}; valid keys: {', '.join(sorted(names))}")
     try:
-        return cls(**data)
+        return cls(**_floats_read(cls, data))
     except (ConfigError, TypeError) as err:
         lines = [f"{where}: {line}" for line in getattr(err, "errors", None) or [str(err)]]
         out = ConfigError("\n".join(lines))
         out.errors = lines
         raise out from None
+
+
+def _floats_read(cls, data: dict) -> dict:
+    """data with the float keys of `cls` that YAML left as strings read as numbers: YAML 1.1 takes
+    `4e2` or `1e-3` (no dot) for a string, and the run-config loader reads them as numbers too."""
+    hints = typing.get_type_hints(cls)
+    out = dict(data)
+    for k, v in data.items():
+        if hints.get(k) is float and isinstance(v, str):
+            try:
+                out[k] = float(v)
+            except ValueError:
+                pass  # the class says what it expected
+    return out
 
 
 @dataclass(frozen=True)
