@@ -139,3 +139,12 @@ def test_simulate_run_progress_lines_fit_80_columns():
     head = " ".join(" ".join(lines[:-1]).split())  # the opening line, unwrapped; then the step line
     assert head.startswith("simulate run: ") and "EP8 on 2 node(s)" in head and head.endswith("dedup on"), head
     assert lines[-1].startswith("simulate run: step 1/1")
+
+
+def test_soak_lines_fit_80_columns():
+    """soak's progress and summary lines (stderr) wrap at 80 columns."""
+    p = subprocess.run(CLI + ["soak", "--planner-calls", "20", "--steps", "0"], capture_output=True, text=True,
+                       timeout=300, cwd=ROOT)
+    assert p.returncode == 0, p.stderr
+    assert "planner soak: 20 calls" in p.stderr
+    assert max(map(len, p.stderr.splitlines())) <= 80, p.stderr

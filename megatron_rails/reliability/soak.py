@@ -15,6 +15,7 @@ import json
 import os
 import resource
 import sys
+import textwrap
 import time
 
 import numpy as np
@@ -189,8 +190,8 @@ def dispatcher_soak(steps: int = 200, world: int = 4, timeout_s: float = 300.0) 
 
 
 def run_soak(planner_calls: int, steps: int, world: int, out: str | None, json_out: bool) -> int:
-    def say(msg):
-        print(msg, file=sys.stderr, flush=True)
+    def say(msg):  # 80 columns, continuation lines indented
+        print(textwrap.fill(msg, 80, subsequent_indent="  "), file=sys.stderr, flush=True)
 
     say(f"soak: {planner_calls} planner calls per policy, then {steps} dispatcher steps on {world} gloo ranks")
     t0 = time.perf_counter()
