@@ -129,6 +129,7 @@ CASES = [
     ("plot format", ["simulate", "run", MINI, "--plot", "{tmp}/p.txt"], "--plot"),
     ("bench local meta device", ["bench", "local", "--quick", "--out", "{tmp}/l.json", "--device", "meta"], "--device"),
     ("soak nothing", ["soak", "--planner-calls", "0", "--steps", "0"], "nothing"),
+    ("demo planners with training flags", ["demo", "--planners", "--steps", "3", "--ranks", "2"], "--steps, --ranks"),
 ]
 
 FILES = {  # name: YAML text, or a counts array

@@ -19,6 +19,7 @@ MAX_TOKENS = 1 << 20     # tokens per rank per step
 MAX_SEED = 2**32 - 1
 DEFAULT_RANKS, DEFAULT_EXPERTS = 8, 8
 DEMO_EXPERTS = 8         # the demo and soak models' experts: their EP size must divide them
+DEMO_STEPS, DEMO_MICROBATCHES, DEMO_PLOT = 20, 4, "demo-imbalance.png"
 BENCH_SHAPES = ("mixtral-8x7b", "mixtral-8x22b", "tiny")  # bench/local.py SHAPES (not imported: torch)
 BENCH_DTYPES = ("bfloat16", "float16", "float32")         # bench/local.py DTYPES
 # the errors a user can fix from the message alone; OSError subclasses: paths given on the command line
@@ -173,14 +174,19 @@ def _cores_check(ranks: int) -> None:
 
 
 def cmd_demo(args) -> int:
+    training = {"--config": args.config, "--steps": args.steps, "--microbatches": args.microbatches,
+                "--ranks": args.ranks, "--plot": args.plot}
     if args.planners:
+        given = [flag for flag, v in training.items() if v is not None]
+        if given:
+            raise InputError(f"--planners compares planners without training: drop {', '.join(given)}")
         from ..bench.planners import planner_demo
 
         return planner_demo(json_out=args.json)
     from ..demo.run import run_demo
 
-    return run_demo(args.config, steps=args.steps, ranks=args.ranks, json_out=args.json, png=args.plot,
-                    microbatches=args.microbatches)
+    return run_demo(args.config, steps=args.steps or DEMO_STEPS, ranks=args.ranks, json_out=args.json,
+                    png=args.plot or plot_file("--plot")(DEMO_PLOT), microbatches=args.microbatches or DEMO_MICROBATCHES)
 
 
 def _version() -> str:
@@ -259,14 +265,16 @@ def _add_demo(sub) -> None:
                                     "configured policy")
     d.add_argument("--config", help="policy YAML or preset name (" + ", ".join(presets.names(presets.POLICY_DIR))
                    + "; default: the shipped default policy)")
-    d.add_argument("--steps", type=int_range("--steps", 1, 10000), default=20, help="optimizer steps")
-    d.add_argument("--microbatches", type=int_range("--microbatches", 1, 1024), default=4,
-                   help="microbatches per optimizer step (accumulated)")
+    # defaults None (said in the help) so that --planners can tell what was given
+    d.add_argument("--steps", type=int_range("--steps", 1, 10000), help=f"optimizer steps (default: {DEMO_STEPS})")
+    d.add_argument("--microbatches", type=int_range("--microbatches", 1, 1024),
+                   help=f"microbatches per optimizer step (accumulated; default: {DEMO_MICROBATCHES})")
     d.add_argument("--ranks", type=divisor_of("--ranks", DEMO_EXPERTS, "the demo model's experts"),
                    help="CPU ranks (= expert-parallel size; divides the 8 experts; default: the cores, at least 2 "
                         "and at most 4; every rank on a core of its own where the cores suffice)")
-    d.add_argument("--plot", type=plot_file("--plot"), default="demo-imbalance.png", help="PNG of imbalance per step")
-    d.add_argument("--planners", action="store_true", help="instead: compare every planner on skewed steps")
+    d.add_argument("--plot", type=plot_file("--plot"), help=f"PNG of imbalance per step (default: {DEMO_PLOT})")
+    d.add_argument("--planners", action="store_true", help="instead: compare every planner on skewed steps "
+                   "(planning only: takes none of the training options)")
     d.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     d.set_defaults(func=cmd_demo)
 
