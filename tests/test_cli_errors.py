@@ -81,6 +81,7 @@ CASES = [
     ("simulate run layers huge", ["simulate", "run", MINI, "model.num_layers=99999999999999999999"],
      "model.num_layers"),
     ("simulate run mfu nan", ["simulate", "run", MINI, "--mfu", "nan"], "--mfu"),
+    ("simulate run mfu 1e-300", ["simulate", "run", MINI, "--mfu", "1e-300"], "--mfu"),
     ("simulate run slots -1", ["simulate", "run", MINI, "--slots", "-1"], "--slots"),
     ("simulate run trace directory", ["simulate", "run", MINI, "--trace", "{tmp}"], "directory"),
     ("simulate run plot directory", ["simulate", "run", MINI, "--plot", "{tmp}"], "--plot"),

@@ -41,7 +41,7 @@ def register_run(subparsers) -> None:
     p.add_argument("--seed", type=int_range("--seed", 0, 2**32 - 1), default=0, help="workload seed")
     p.add_argument("--slots", type=int_range("--slots", 0, MAX_SLOTS),
                    help="redundant slots per rank for every policy (default: the config's balancer)")
-    p.add_argument("--mfu", type=float, default=0.5, help="GEMM efficiency: achieved / peak gpu_tflops, in (0, 1]")
+    p.add_argument("--mfu", type=float, default=0.5, help="GEMM efficiency: achieved / peak gpu_tflops, in [0.001, 1]")
     p.add_argument("--overlap", choices=OVERLAPS, default="none",
                    help="none: everything in sequence; weights: weight movement hidden behind dense compute")
     p.add_argument("--weight-sync", choices=WEIGHT_SYNCS, default="iteration",

@@ -80,6 +80,9 @@ class SimError(InputError):
     """The simulator cannot model this configuration or input."""
 
 
+MIN_MFU = 0.001  # 0.1% of peak: anything slower is a typo, not a GPU
+
+
 @dataclass(frozen=True)
 class SimOptions:
     mfu: float = 0.5              # achieved / peak dense bf16 FLOP rate, for every GEMM
@@ -91,8 +94,8 @@ class SimOptions:
     dedup: bool = True            # a token crosses to a remote node once (policy key `dedup`)
 
     def __post_init__(self):
-        if not 0 < self.mfu <= 1:
-            raise SimError(f"--mfu must be in (0, 1], got {self.mfu}")
+        if not MIN_MFU <= self.mfu <= 1:  # below, absurd times (300-digit table cells at 1e-300)
+            raise SimError(f"--mfu must be in [{MIN_MFU}, 1], got {self.mfu}")
         if self.overlap not in OVERLAPS:
             raise SimError(f"--overlap must be one of {', '.join(OVERLAPS)}, got {self.overlap!r}")
         if self.weight_sync not in WEIGHT_SYNCS:
