@@ -44,6 +44,7 @@ CASES = [
     ("plan tokens text", PLAN + ["--tokens-per-rank", "many"], "--tokens-per-rank"),
     ("plan ranks 0", PLAN + ["--ranks", "0"], "--ranks"),
     ("plan ranks huge", PLAN + ["--ranks", "99999999999999999999"], "--ranks"),
+    ("plan ranks with separator", PLAN + ["--ranks", "8_0"], "--ranks"),
     ("plan experts -8", PLAN + ["--experts", "-8"], "--experts"),
     ("plan topk above experts", PLAN + ["--topk", "9"], "topk"),
     ("plan seed -1", PLAN + ["--seed", "-1"], "--seed"),

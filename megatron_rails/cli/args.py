@@ -48,7 +48,10 @@ class CliParser(argparse.ArgumentParser):
 
 
 def _parse_int(name: str, text: str) -> int:
-    """An integer, also written as an integral float (1e6) as people type token counts."""
+    """An integer, also written as an integral float (1e6) as people type token counts; in ASCII
+    digits without Python's `_` separators (int() takes `8_0` for 80 and other scripts' digits)."""
+    if not text.isascii() or "_" in text:
+        raise argparse.ArgumentTypeError(f"{name} must be an integer, got {text!r}")
     try:
         return int(text)
     except ValueError:
