@@ -5,6 +5,7 @@ is allowed (`main` turns the package's input errors into that line; anything els
 traceback)."""
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -185,8 +186,14 @@ def cmd_demo(args) -> int:
         return planner_demo(json_out=args.json)
     from ..demo.run import run_demo
 
-    return run_demo(args.config, steps=args.steps or DEMO_STEPS, ranks=args.ranks, json_out=args.json,
-                    png=args.plot or plot_file("--plot")(DEMO_PLOT), microbatches=args.microbatches or DEMO_MICROBATCHES)
+    png = args.plot
+    if png is None:  # the default, in the working directory: checked as a given --plot would be
+        try:
+            png = plot_file("--plot")(DEMO_PLOT)
+        except argparse.ArgumentTypeError as err:
+            raise InputError(f"{err} (the default; give --plot elsewhere)") from None
+    return run_demo(args.config, steps=args.steps or DEMO_STEPS, ranks=args.ranks, json_out=args.json, png=png,
+                    microbatches=args.microbatches or DEMO_MICROBATCHES)
 
 
 def _version() -> str:
