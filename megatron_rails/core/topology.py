@@ -116,6 +116,8 @@ def load_topology(name_or_path) -> Topology:
     """A preset name (presets/topology/NAME.yaml) or a path to a topology YAML."""
     if isinstance(name_or_path, Topology):
         return name_or_path
+    if not str(name_or_path).strip():
+        raise ConfigError(f"an empty topology; presets: {', '.join(presets())} (or give a path to a YAML file)")
     p = Path(name_or_path)
     if not p.suffix and not p.exists():
         p = PRESET_DIR / f"{name_or_path}.yaml"

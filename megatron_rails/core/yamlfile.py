@@ -39,9 +39,13 @@ def read_mapping(path, error: Callable[[str], Exception], kind: str, empty_hint:
     what an empty file lacks."""
     import yaml
 
+    if not str(path).strip():  # Path("") is ".", a directory: say what is wrong instead
+        raise error(f"an empty path; give a {kind} file")
     p = Path(path)
     if p.is_dir():
         raise error(f"{p}: is a directory, not a {kind} file")
+    if p.exists() and not p.is_file():
+        raise error(f"{p}: not a regular file (a device or a pipe); give a {kind} file")
     if not p.is_file():
         raise error(f"{p}: {'file' if kind == 'YAML' else kind + ' file'} not found")
     size = p.stat().st_size
