@@ -61,3 +61,15 @@ def test_exponent_without_dot_reads_as_a_number_everywhere(tmp_path):
     pol.write_text("policy: ultraep\ntolerance: 1e-2x\n")
     with pytest.raises(ConfigError, match="tolerance"):
         PolicyConfig.from_yaml(pol)
+
+
+def test_yaml_merge_keys_load_and_duplicates_do_not(tmp_path):
+    """A config may override what a merge (`<<: *base`) brings in; a key written twice is refused."""
+    from megatron_rails.core.yamlfile import read_mapping
+
+    f = tmp_path / "m.yaml"
+    f.write_text("base: &b\n  a: 1\n  c: 3\nx:\n  <<: *b\n  a: 2\n")
+    assert read_mapping(f, ConfigError, "YAML", "") == {"base": {"a": 1, "c": 3}, "x": {"a": 2, "c": 3}}
+    f.write_text("x:\n  a: 1\n  a: 2\n")
+    with pytest.raises(ConfigError, match="key 'a' given twice"):
+        read_mapping(f, ConfigError, "YAML", "")

@@ -4,21 +4,26 @@ too deeply, a key given twice in one mapping (PyYAML keeps the last silently: `p
 `policy: eplb` would run eplb), empty, or not a mapping at the top level."""
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Callable
 
 MAX_BYTES = 1 << 20  # configs are a few KB; beyond, a wrong file (a checkpoint, a log)
 
 
+@functools.cache
 def _loader():
     import yaml
 
     class UniqueKeyLoader(yaml.SafeLoader):
-        """SafeLoader refusing a key given twice in one mapping."""
+        """SafeLoader refusing a key written twice in one mapping. Keys a merge (`<<: *base`) brings
+        in may be overridden, as YAML intends: only the mapping's own keys are compared."""
 
         def construct_mapping(self, node, deep=False):
             seen = {}
             for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
                 key = self.construct_object(key_node, deep=deep)
                 try:
                     hash(key)
