@@ -114,6 +114,7 @@ CASES = [
     ("config show typo kind", ["config", "show", "{tmp}/typo.yaml"], "did you mean 'policy'"),
     ("config docs out directory", ["config", "docs", "--out", "{tmp}"], "--out"),
     ("no command", [], "COMMAND"),
+    ("config show without file", ["config", "show"], "required: FILE ("),  # not ", KEY=VALUE": optional
     # files that are no config or counts at all: not text, nested without end, cut off
     ("config show not utf-8", ["config", "show", "{tmp}/latin1.yaml"], "UTF-8"),
     ("topology not utf-8", ["simulate", "a2a", "--nodes", "2", "--topology", "{tmp}/latin1.yaml"], "UTF-8"),

@@ -147,7 +147,7 @@ def register(sub) -> None:
     s = csub.add_parser("show", help="print the merged, validated config as YAML")
     s.add_argument("file", metavar="FILE",
                    help=f"a run, policy or topology YAML file, or a preset name ({preset_list()})")
-    s.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+    s.add_argument("overrides", nargs="*", default=[], metavar="KEY=VALUE",
                    help=override_help("balancer.policy=ultraep") + " (a policy or topology file: its own keys, "
                         "e.g. slots=2)")
     s.add_argument("--get", action="append", metavar="KEY",

@@ -24,7 +24,7 @@ def register_run(subparsers) -> None:
                     "expert compute on the busiest rank, token all-to-all, weight movement, measured planner "
                     "time and the dense part, on the config's topology (analytic; see docs/simulator.md).")
     p.add_argument("config", metavar="CONFIG", help="run config YAML, e.g. configs/mixtral/mixtral-8x7b.yaml")
-    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+    p.add_argument("overrides", nargs="*", default=[], metavar="KEY=VALUE",
                    help=override_help("topology=dgx-a100") + "; right after the config (anywhere with --set)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="a run-config override, as KEY=VALUE after the config (repeatable; default: none)")
