@@ -28,7 +28,6 @@ import json
 import os
 import sys
 import tempfile
-import textwrap
 import time
 
 import numpy as np
@@ -41,7 +40,7 @@ from ..megatron import models
 from ..megatron.install import install, uninstall
 from ..runtime.comm.base import leave
 from ..runtime.residency import no_sync
-from ..sim.term import quiet_children
+from ..sim.term import quiet_children, wrapped
 from .dispatcher import _skew_router
 
 SHAPE = dict(layers=2, hidden=256, ffn=1024, experts=8, topk=2, tokens=512)
@@ -247,11 +246,10 @@ def bench_step(out: str, ranks: int = 2, microbatches: int = 8, quick: bool = Fa
     shape = QUICK_SHAPE if quick else SHAPE
     reps = reps if reps is not None else (1 if quick else 6)
     warmup = 0 if quick else WARMUP
-    print(textwrap.fill(f"step bench: {ranks} gloo ranks (one core each), {shape['layers']} MoE layers, hidden "
-                        f"{shape['hidden']}, ffn {shape['ffn']}, {shape['experts']} experts top-{shape['topk']}, "
-                        f"{shape['tokens']} tokens/rank/microbatch, {microbatches} microbatches/step, "
-                        f"{len(SKEWS) * len(POLICIES)} cases x {reps + warmup} rounds", 80, subsequent_indent="  "),
-          file=sys.stderr)
+    print(wrapped(f"step bench: {ranks} gloo ranks (one core each), {shape['layers']} MoE layers, hidden "
+                  f"{shape['hidden']}, ffn {shape['ffn']}, {shape['experts']} experts top-{shape['topk']}, "
+                  f"{shape['tokens']} tokens/rank/microbatch, {microbatches} microbatches/step, "
+                  f"{len(SKEWS) * len(POLICIES)} cases x {reps + warmup} rounds"), file=sys.stderr)
     tmp = out + ".rows"
     kept = {k: os.environ.get(k) for k in MALLOC_KEEP}
     malloc = {k: kept[k] or v for k, v in MALLOC_KEEP.items()}

@@ -14,7 +14,7 @@ import types
 import typing
 from pathlib import Path
 
-from ..core.policy import ConfigError
+from ..core.policy import ConfigError, number_text
 from ..core.yamlfile import read_mapping
 
 # integer keys of run-config sections are Megatron-LM arguments and tensor sizes: int32 in Megatron-Core and
@@ -65,10 +65,8 @@ def _coerce(tp, v):
         return isinstance(v, list) and all(isinstance(x, str) for x in v), v
     if tp is float:
         if isinstance(v, str):
-            try:
-                return True, float(v)
-            except ValueError:
-                return False, v
+            f = number_text(v)
+            return f is not None, (v if f is None else f)
         return isinstance(v, (int, float)) and not isinstance(v, bool), float(v) if isinstance(v, (int, float)) else v
     if tp is int:
         return isinstance(v, int) and not isinstance(v, bool), v

@@ -46,17 +46,23 @@ def from_mapping(cls, data: dict, where: str = "<dict>"):
         raise out from None
 
 
+def number_text(text: str) -> float | None:
+    """The number a YAML string writes, else None: YAML 1.1 takes `4e2` or `1e-3` (no dot) for a
+    string. Every loader of float keys reads them through this (run-config sections too)."""
+    try:
+        return float(text)
+    except ValueError:
+        return None
+
+
 def _floats_read(cls, data: dict) -> dict:
-    """data with the float keys of `cls` that YAML left as strings read as numbers: YAML 1.1 takes
-    `4e2` or `1e-3` (no dot) for a string, and the run-config loader reads them as numbers too."""
+    """data with the float keys of `cls` that YAML left as strings read as numbers (number_text);
+    a string that writes none is left for the class to refuse."""
     hints = typing.get_type_hints(cls)
     out = dict(data)
     for k, v in data.items():
-        if hints.get(k) is float and isinstance(v, str):
-            try:
-                out[k] = float(v)
-            except ValueError:
-                pass  # the class says what it expected
+        if hints.get(k) is float and isinstance(v, str) and number_text(v) is not None:
+            out[k] = number_text(v)
     return out
 
 

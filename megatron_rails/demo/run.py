@@ -11,7 +11,6 @@ import os
 import subprocess
 import sys
 import tempfile
-import textwrap
 
 import numpy as np
 
@@ -149,11 +148,12 @@ def run_demo(config: str | None = None, steps: int = 20, ranks: int | None = Non
     ranks = ranks or max(2, min(4, cores))  # one rank has nothing to balance
     pin = ranks <= cores  # more ranks than cores still runs, but step times then do not compare
     G = VIRTUAL_NODE if ranks % VIRTUAL_NODE == 0 else ranks  # an odd rank count: one node
+    from ..sim.term import wrapped
+
     with tempfile.TemporaryDirectory() as tmp:
-        print(textwrap.fill(f"megatron-rails demo: {ranks} CPU ranks (gloo{', one core each' if pin else ', sharing cores'}) "
-                            f"as {ranks // G} virtual node(s) x {G}, {steps} steps x {microbatches} microbatches, "
-                            f"skewed routing; policy none, then {pcfg.policy} (comm: {pcfg.comm}) from {config}",
-                            80, subsequent_indent="  ", break_on_hyphens=False, break_long_words=False),
+        print(wrapped(f"megatron-rails demo: {ranks} CPU ranks (gloo{', one core each' if pin else ', sharing cores'}) "
+                      f"as {ranks // G} virtual node(s) x {G}, {steps} steps x {microbatches} microbatches, "
+                      f"skewed routing; policy none, then {pcfg.policy} (comm: {pcfg.comm}) from {config}"),
               file=sys.stderr)
         node = ["--ranks-per-node", str(G)]
         base = _run(["--policy", "none", *node], "none", steps, ranks, f"{tmp}/none.json", json_out, microbatches, pin,

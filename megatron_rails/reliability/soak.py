@@ -15,7 +15,6 @@ import json
 import os
 import resource
 import sys
-import textwrap
 import time
 
 import numpy as np
@@ -190,8 +189,10 @@ def dispatcher_soak(steps: int = 200, world: int = 4, timeout_s: float = 300.0) 
 
 
 def run_soak(planner_calls: int, steps: int, world: int, out: str | None, json_out: bool) -> int:
-    def say(msg):  # 80 columns, continuation lines indented
-        print(textwrap.fill(msg, 80, subsequent_indent="  "), file=sys.stderr, flush=True)
+    from ..sim.term import wrapped
+
+    def say(msg):
+        print(wrapped(msg), file=sys.stderr, flush=True)
 
     say(f"soak: {planner_calls} planner calls per policy, then {steps} dispatcher steps on {world} gloo ranks")
     t0 = time.perf_counter()

@@ -52,3 +52,11 @@ class quiet_children:
         if self.before is None:
             os.environ.pop("PYTHONWARNINGS", None)
         return False
+
+
+def wrapped(text: str) -> str:
+    """A progress or summary line for stderr at 80 columns, continuation lines indented (paths and
+    names are not broken)."""
+    import textwrap
+
+    return textwrap.fill(text, 80, subsequent_indent="  ", break_on_hyphens=False, break_long_words=False)
