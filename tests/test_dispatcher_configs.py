@@ -5,6 +5,7 @@ experts, and shared experts overlapped with the dispatcher (--moe-shared-expert-
 them to the dispatcher to run). The reference is the stock allgather dispatcher with identical
 weights; every policy, fp32, 1e-5."""
 import numpy as np
+import pytest
 import torch
 
 from moe_harness import build_moe_layer, moe_config, spawn
@@ -185,3 +186,66 @@ def test_ranks_with_different_token_counts_match_stock():
     """Ranks holding different numbers of tokens (odd ones too) under skewed routing, every policy
     and the shipped default, on 4 ranks (2 per node: RailS and dedup paths)."""
     spawn(_uneven_worker, 4)
+
+
+# expert-parallel sizes that are not powers of two, odd top-k, 1..4 slots, nodes of 3 ranks under
+# comm: rails (the other tests use EP 1, 2, 4, 8, top-1 / 2 / E and nodes of 2)
+ODD_SIZES = {
+    "ep3-top3": (3, dict(num_moe_experts=9, moe_router_topk=3), [5, 1, 7],
+                 {"slots": 1, "ranks_per_node": 3}),
+    "ep6-top5-rails": (6, dict(num_moe_experts=12, moe_router_topk=5), [3, 6, 1, 8, 2, 5],
+                       {"slots": 3, "ranks_per_node": 3, "comm": "rails", "rails_tolerance": 0.0}),
+}
+
+
+def _odd_worker(rank, world, overrides, T_rank, rails_cfg):
+    import megatron_rails
+
+    torch.manual_seed(1234)
+    stock = build_moe_layer(_config(world, "allgather", overrides))
+    direction = torch.tensor(np.random.default_rng(17).standard_normal(H), dtype=torch.float32)
+    T, T_max = T_rank[rank], max(T_rank)
+    gen = torch.Generator().manual_seed(40 + rank)
+    # a near-uniform routing, then one where every rank's tokens lean the same way (skewed)
+    xs = [torch.randn(T, H, generator=gen) + lean * direction for lean in (0.0, 3.0)]
+    w_np = torch.linspace(-1, 1, T * H).view(T, 1, H)
+    want = []
+    for x_np in xs:  # stock's allgather dispatcher takes one token count: padded, loss weight 0
+        stock.zero_grad(set_to_none=True)
+        x_pad = torch.cat([x_np, torch.zeros(T_max - T, H)]).view(-1, 1, H).requires_grad_(True)
+        out, _ = stock(x_pad)
+        (out * torch.cat([w_np, torch.zeros(T_max - T, 1, H)])).sum().backward()
+        want.append((out.detach()[:T], x_pad.grad[:T].clone(), _grads(stock)))
+    for policy in POLICIES + ["default"]:
+        megatron_rails.install({"policy": policy, "check_plan": True, **rails_cfg} if policy != "default"
+                               else "default")
+        rails = build_moe_layer(_config(world, "alltoall", overrides))
+        megatron_rails.uninstall()
+        rails.load_state_dict(stock.state_dict())
+        for i, (x_np, (o1, g1, w1)) in enumerate(zip(xs, want)):
+            rails.zero_grad(set_to_none=True)
+            x = x_np.clone().view(-1, 1, H).requires_grad_(True)
+            got, _ = rails(x)
+            (got * w_np).sum().backward()
+            where = f"policy {policy}, routing {i}, rank {rank} ({T} of {T_rank} tokens)"
+            torch.testing.assert_close(got.detach(), o1, rtol=1e-5, atol=1e-5, msg=lambda m: f"{where}: output\n{m}")
+            torch.testing.assert_close(x.grad, g1, rtol=1e-5, atol=1e-5, msg=lambda m: f"{where}: input grad\n{m}")
+            mine = _grads(rails)
+            assert set(mine) == set(w1), where
+            for n, g in w1.items():
+                torch.testing.assert_close(mine[n], g, rtol=1e-5, atol=1e-5, msg=lambda m: f"{where}: grad of {n}\n{m}")
+        # the policies that plan on the current counts moved weights (eplb plans on the steps
+        # before), and RailS sprayed (where on)
+        recs = rails.token_dispatcher.metrics
+        seen = torch.tensor([float(sum(r["weight_bytes_sent"] for r in recs)),
+                             float(sum(r["rails_sprayed"] for r in recs))])
+        torch.distributed.all_reduce(seen)
+        assert policy in ("none", "eplb") or seen[0] > 0, f"policy {policy}: no weights moved, the routing was not skewed"
+        if rails_cfg.get("comm") == "rails" and policy != "default":
+            assert seen[1] > 0, f"policy {policy}: the skewed exchange was not sprayed"
+
+
+@pytest.mark.parametrize("name", sorted(ODD_SIZES))
+def test_odd_expert_parallel_sizes_and_topk_match_stock(name):
+    world, overrides, T_rank, rails_cfg = ODD_SIZES[name]
+    spawn(_odd_worker, world, overrides, T_rank, rails_cfg)
