@@ -3,7 +3,7 @@ step's median (to the device sync and to the call's return), the kernels and tor
 (torch.profiler: device time and host time per op) and the host's Python functions (cProfile).
 
     python scripts/profile_local.py [--shape mixtral-8x22b] [--device cuda] [--reps 30] [--out DIR]
-    python scripts/profile_local.py --plan-only [--reps 300]   # the planning alone, host time
+    python scripts/profile_local.py --plan-only [--reps 300] [--cold]   # the planning alone, host time
 
 Writes DIR/profile.txt (the tables) and prints a one-line summary per case. A development tool:
 the figures the issue asks for come from `megatron-rails bench local`.
@@ -42,9 +42,14 @@ def _python_profile(fn, sync, calls: int = 100, rows: int = 16) -> str:
     return "\n".join(out)
 
 
-def plan_only(shape_name: str, policies, reps: int) -> None:
+def plan_only(shape_name: str, policies, reps: int, cold: bool = False) -> None:
     """Per policy x skew, the median host time of what a dispatch computes before it can send:
-    planner.plan, the plan's route and its split sizes (no tensors beyond the routing)."""
+    planner.plan, the plan's route and its split sizes (no tensors beyond the routing).
+
+    cold: each call after a 64 MiB sweep that evicts the host's caches, as the local work between
+    two plans does in a training step (and in `bench local`): there the same planning takes 5-10x
+    its time in a loop, because its code and data come from memory again; what counts then is how
+    much code and how many numpy calls a plan runs through, more than the arithmetic."""
     import time
 
     import numpy as np
@@ -55,6 +60,7 @@ def plan_only(shape_name: str, policies, reps: int) -> None:
 
     shape = SHAPES[shape_name]
     D, E = shape["ep"], shape["experts"]
+    sweep = np.ones((64 << 20) // 8) if cold else None
     for skew, s in SKEWS.items():
         maps = [routing(shape, s, 1000 + d, "cpu") for d in range(D)]
         counts_DE = np.stack([m.sum(dim=0).numpy() for m, _ in maps]).astype(np.int64)
@@ -64,11 +70,14 @@ def plan_only(shape_name: str, policies, reps: int) -> None:
             _, state = planner.plan(counts_DE, state)
             us = []
             for _ in range(reps):
+                if sweep is not None:
+                    sweep += 1.0
                 t0 = time.perf_counter()
                 plan, _ = planner.plan(counts_DE, state)
                 plan.route, plan.send_DD
                 us.append((time.perf_counter() - t0) * 1e6)
-            print(f"{policy:8s} {skew:9s} plan + route + split sizes p50 {statistics.median(us):7.1f} us", flush=True)
+            print(f"{policy:8s} {skew:9s} plan + route + split sizes p50 {statistics.median(us):7.1f} us"
+                  f"{' (cold caches)' if cold else ''}", flush=True)
 
 
 def main() -> None:
@@ -80,9 +89,11 @@ def main() -> None:
     ap.add_argument("--out", default=".")
     ap.add_argument("--plan-only", action="store_true",
                     help="only the planning each dispatch starts with, on the host (no device, no profile)")
+    ap.add_argument("--cold", action="store_true", help="--plan-only: every call after a sweep that evicts the "
+                    "host's caches (as between a training step's plans)")
     a = ap.parse_args()
     if a.plan_only:
-        plan_only(a.shape, a.policies, a.reps)
+        plan_only(a.shape, a.policies, a.reps, a.cold)
         return
     dev = torch.device(a.device)
     sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)

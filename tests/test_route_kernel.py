@@ -121,3 +121,80 @@ def test_quotas_that_do_not_fit_fail_as_the_definition_does():
     for compiled in (True, False):
         with pytest.raises(PlanError, match="negative"):
             route_csr(plan.counts_DE, plan.placement, neg, compiled=compiled)
+
+
+def test_count_sums_and_peak_load_match_numpy():
+    """counts_and_load's compiled pass (count_sums) against numpy's column sums, and
+    Plan.peak_load (compiled rank_sums) against load_D's max and sum, on every planner's plans;
+    a negative count fails naming the entry either way."""
+    from megatron_rails.core import plan as plan_mod
+    from megatron_rails.core.plan import counts_and_load
+
+    if plan_mod._COUNT_SUMS is None and not PURE and shutil.which("cc"):
+        pytest.fail("count_sums not built although a C compiler exists")
+    rng = np.random.default_rng(3)
+    for trial in range(60):
+        D, E = int(rng.integers(1, 9)), int(rng.integers(1, 40))
+        c = counts_for(rng, D, E, trial)
+        counts, load_E = counts_and_load(c, D, E)
+        assert counts.dtype == np.int64 and not counts.flags.writeable and np.array_equal(counts, c)
+        assert load_E.dtype == np.int64 and np.array_equal(load_E, c.sum(axis=0))
+        if plan_mod._COUNT_SUMS is not None:
+            got = np.empty(E, dtype=np.int64)
+            assert plan_mod._COUNT_SUMS(counts, D, E, got) == 0 and np.array_equal(got, c.sum(axis=0))
+        bad = c.copy()
+        d, e = int(rng.integers(D)), int(rng.integers(E))
+        bad[d, e] = -1 - int(rng.integers(5))
+        with pytest.raises(PlanError, match=rf"counts_DE\[{d}, {e}\] = {bad[d, e]} is negative"):
+            counts_and_load(bad, D, E)
+        G = D if trial % 2 else 1
+        for policy in ("none", "eplb", "ultraep", "lp", "fsep"):
+            if policy == "none" and E % D:
+                continue
+            planner = make_planner(policy, PlannerConfig(num_ranks=D, num_experts=E, ranks_per_node=G, slots=2))
+            plan, _ = planner.plan(c, planner.initial_state())
+            load_D = plan.load_D
+            assert plan.peak_load() == (load_D.max(), load_D.sum()), (policy, D, E, trial)
+
+
+def test_sharded_table_and_even_quotas_match_the_definitions(monkeypatch):
+    """Placement.sharded_table (the compiled replica table) against the constructor's sort, and
+    the compiled even_quotas against numpy's, on random slot tables; a table with an id out of
+    range or an expert twice on a rank fails with the constructor's message."""
+    from megatron_rails.core import plan as plan_mod
+    from megatron_rails.core.planners import base
+
+    if plan_mod._REPLICA_TABLE is None and not PURE and shutil.which("cc"):
+        pytest.fail("replica_table not built although a C compiler exists")
+    rng = np.random.default_rng(11)
+    for trial in range(200):
+        D, S, E = int(rng.integers(1, 9)), int(rng.integers(1, 6)), int(rng.integers(1, 30))
+        se = np.full((D, S), -1, dtype=np.int64)
+        for d in range(D):  # distinct experts per rank, some slots empty
+            k = int(rng.integers(0, min(S, E) + 1))
+            se[d, rng.permutation(S)[:k]] = rng.permutation(E)[:k]
+        G = D if trial % 2 else 1
+        want = Placement(se.copy(), E, G, "sharded", 0)
+        got = Placement.sharded_table(se.copy(), E, G)
+        for name in ("replica_expert_R", "replica_rank_R", "replica_slot_R", "expert_ptr"):
+            a = getattr(got, name)
+            assert a.dtype == np.int64 and not a.flags.writeable and np.array_equal(a, getattr(want, name)), name
+        assert not got.slot_expert_DS.flags.writeable and got.digest() == want.digest()
+        load_E = rng.integers(0, 1000, E).astype(np.int64) * (rng.random(E) < 0.8)
+        q = base.even_quotas(load_E, want.expert_ptr)
+        with monkeypatch.context() as m:
+            m.setattr(base, "_EVEN_QUOTAS", None)
+            assert np.array_equal(q, base.even_quotas(load_E, want.expert_ptr))
+        if D * S >= 2 and E >= 2:
+            bad = se.copy()
+            bad[rng.integers(D), rng.integers(S)] = E + int(rng.integers(3)) if trial % 2 else -2
+            with pytest.raises(PlanError) as want_err:
+                Placement(bad.copy(), E, G, "sharded", 0)
+            with pytest.raises(PlanError) as got_err:
+                Placement.sharded_table(bad.copy(), E, G)
+            assert str(got_err.value) == str(want_err.value)
+        if S >= 2:
+            twice = se.copy()
+            twice[0, :2] = int(rng.integers(E))
+            with pytest.raises(PlanError, match="hosts an expert twice"):
+                Placement.sharded_table(twice, E, G)

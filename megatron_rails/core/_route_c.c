@@ -11,7 +11,9 @@
  * counts) are left to the Python path, which says what is wrong.
  *
  * route_csr(counts, rep_expert, rep_rank, quota, D, E, R, G, ptr, rep_out, tok_out, send_DD) -> M
- * (and rank_tables below: one rank's send and receive tables from the route)
+ * (and rank_tables below: one rank's send and receive tables from the route; count_sums: whether
+ * a count is negative, and the column sums; rank_sums: every rank's load; replica_table and even_quotas: a placement's replicas
+ * from its slot table, and every expert's tokens split evenly over them)
  *   counts      int64 [D, E], C-contiguous (read)
  *   rep_expert, rep_rank, quota   int64 [R]: replicas in (expert, rank) order (read)
  *   ptr         int64 [D + 1]          (written)
@@ -327,7 +329,203 @@ fail:
     return NULL;
 }
 
+/* count_sums(counts, D, E, load_out) -> -1 where an entry of counts (int64 [D, E], read) is
+ * negative, else 0; load_out (int64 [E], written) := its column sums: every planner's first look
+ * at the counts (plan.py counts_and_load). Two numpy reductions over a few dozen entries cost more
+ * than the arithmetic by far when the host's caches are cold, as between a training step's plans. */
+static PyObject *count_sums(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "count_sums takes 4 arguments");
+        return NULL;
+    }
+    int64_t D = PyLong_AsLongLong(args[1]), E = PyLong_AsLongLong(args[2]);
+    if (PyErr_Occurred()) return NULL;
+    if (D < 1 || E < 1) {
+        PyErr_SetString(PyExc_ValueError, "count_sums: bad sizes");
+        return NULL;
+    }
+    Py_buffer c, out;
+    if (get_buffer(args[0], &c, D * E, 0, "counts")) return NULL;
+    if (get_buffer(args[3], &out, E, 1, "load_out")) {
+        PyBuffer_Release(&c);
+        return NULL;
+    }
+    const int64_t *x = c.buf;
+    int64_t *load = out.buf, bits = 0; /* the OR of every count: negative iff one is */
+    for (int64_t e = 0; e < E; e++) load[e] = 0;
+    for (int64_t d = 0; d < D; d++) {
+        const int64_t *row = x + d * E;
+        for (int64_t e = 0; e < E; e++) load[e] += row[e], bits |= row[e]; /* vectorizes */
+    }
+    PyBuffer_Release(&c);
+    PyBuffer_Release(&out);
+    return PyLong_FromLongLong(bits < 0 ? -1 : 0);
+}
+
+/* rank_sums(rank_R, quota_R, R, D, load_out) -> (max, sum) of load_out (int64 [D], written) :=
+ * the quotas of every rank's replicas summed (Plan.load_D: numpy's bincount with weights). */
+static PyObject *rank_sums(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "rank_sums takes 5 arguments");
+        return NULL;
+    }
+    int64_t R = PyLong_AsLongLong(args[2]), D = PyLong_AsLongLong(args[3]);
+    if (PyErr_Occurred()) return NULL;
+    if (R < 0 || D < 1) {
+        PyErr_SetString(PyExc_ValueError, "rank_sums: bad sizes");
+        return NULL;
+    }
+    Py_buffer v[3];
+    const char *names[3] = {"rank_R", "quota_R", "load_out"};
+    const int64_t sizes[3] = {R, R, D};
+    const int slot[3] = {0, 1, 4};
+    int got = 0;
+    for (; got < 3; got++)
+        if (get_buffer(args[slot[got]], &v[got], sizes[got], got == 2, names[got])) break;
+    int bad = 0;
+    if (got == 3) {
+        const int64_t *rank = v[0].buf, *quota = v[1].buf;
+        int64_t *load = v[2].buf;
+        for (int64_t d = 0; d < D; d++) load[d] = 0;
+        for (int64_t r = 0; r < R; r++) {
+            if (rank[r] < 0 || rank[r] >= D) {
+                bad = 1;
+                break;
+            }
+            load[rank[r]] += quota[r];
+        }
+    }
+    for (int i = 0; i < got; i++) PyBuffer_Release(&v[i]);
+    if (got < 3) return NULL;
+    if (bad) {
+        PyErr_SetString(PyExc_ValueError, "rank_sums: a replica rank outside [0, D)");
+        return NULL;
+    }
+    const int64_t *load = v[2].buf;
+    int64_t most = load[0], total = 0;
+    for (int64_t d = 0; d < D; d++) {
+        if (load[d] > most) most = load[d];
+        total += load[d];
+    }
+    return Py_BuildValue("(LL)", (long long)most, (long long)total);
+}
+
+/* replica_table(slot_DS, D, S, E, expert_R, rank_R, slot_R, ptr) -> R, or -1
+ *   slot_DS  int64 [D, S] (read): expert per slot, -1 empty
+ *   expert_R, rank_R, slot_R  int64 [>= D * S] (written: R entries): the filled slots as replicas
+ *            in (expert, rank) order, what plan.py's _replica_table makes by a stable sort
+ *   ptr      int64 [E + 1] (written): replicas of expert e are ptr[e]:ptr[e+1] (Placement.expert_ptr)
+ * -1 where a slot holds an id outside [-1, E) or a rank hosts an expert twice: the Python
+ * definition then says which. A counting sort over the slots in (rank, slot) order. */
+static PyObject *replica_table(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 8) {
+        PyErr_SetString(PyExc_TypeError, "replica_table takes 8 arguments");
+        return NULL;
+    }
+    int64_t D = PyLong_AsLongLong(args[1]), S = PyLong_AsLongLong(args[2]), E = PyLong_AsLongLong(args[3]);
+    if (PyErr_Occurred()) return NULL;
+    if (D < 1 || S < 0 || E < 1) {
+        PyErr_SetString(PyExc_ValueError, "replica_table: bad sizes");
+        return NULL;
+    }
+    Py_buffer v[5];
+    const char *names[5] = {"slot_DS", "expert_R", "rank_R", "slot_R", "ptr"};
+    const int64_t sizes[5] = {D * S, D * S, D * S, D * S, E + 1};
+    const int slot[5] = {0, 4, 5, 6, 7};
+    int got = 0;
+    for (; got < 5; got++)
+        if (get_buffer(args[slot[got]], &v[got], sizes[got], got >= 1, names[got])) break;
+    if (got < 5) {
+        for (int i = 0; i < got; i++) PyBuffer_Release(&v[i]);
+        return NULL;
+    }
+    const int64_t *se = v[0].buf;
+    int64_t *er = v[1].buf, *rr = v[2].buf, *sr = v[3].buf, *ptr = v[4].buf, R = 0;
+    int64_t *last = malloc((size_t)E * sizeof(int64_t)); /* the last rank seen hosting each expert */
+    if (last == NULL) {
+        for (int i = 0; i < 5; i++) PyBuffer_Release(&v[i]);
+        return PyErr_NoMemory();
+    }
+    for (int64_t e = 0; e <= E; e++) ptr[e] = 0;
+    for (int64_t e = 0; e < E; e++) last[e] = -1;
+    for (int64_t d = 0; d < D && R >= 0; d++)
+        for (int64_t s = 0; s < S; s++) {
+            int64_t e = se[d * S + s];
+            if (e == -1) continue;
+            if (e < -1 || e >= E || last[e] == d) { /* out of range, or hosted twice on rank d */
+                R = -1;
+                break;
+            }
+            last[e] = d, ptr[e + 1]++, R++;
+        }
+    if (R >= 0) {
+        for (int64_t e = 0; e < E; e++) ptr[e + 1] += ptr[e];
+        for (int64_t e = 0; e < E; e++) last[e] = ptr[e]; /* now: the next free place of each expert */
+        for (int64_t d = 0; d < D; d++)
+            for (int64_t s = 0; s < S; s++) {
+                int64_t e = se[d * S + s];
+                if (e < 0) continue;
+                int64_t r = last[e]++;
+                er[r] = e, rr[r] = d, sr[r] = s;
+            }
+    }
+    free(last);
+    for (int i = 0; i < 5; i++) PyBuffer_Release(&v[i]);
+    return PyLong_FromLongLong(R);
+}
+
+/* even_quotas(load_E, ptr, E, quota_R): every expert's tokens split evenly over its replicas,
+ * the first load % n of its n replicas taking one more (planners/base.py even_quotas).
+ *   load_E int64 [E] (read, non-negative), ptr int64 [E + 1] (read), quota_R int64 [ptr[E]] (written) */
+static PyObject *even_quotas(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "even_quotas takes 4 arguments");
+        return NULL;
+    }
+    int64_t E = PyLong_AsLongLong(args[2]);
+    if (PyErr_Occurred()) return NULL;
+    if (E < 1) {
+        PyErr_SetString(PyExc_ValueError, "even_quotas: bad sizes");
+        return NULL;
+    }
+    Py_buffer load, ptr, quota;
+    if (get_buffer(args[0], &load, E, 0, "load_E")) return NULL;
+    if (get_buffer(args[1], &ptr, E + 1, 0, "ptr")) {
+        PyBuffer_Release(&load);
+        return NULL;
+    }
+    const int64_t *p = ptr.buf, *x = load.buf;
+    if (get_buffer(args[3], &quota, p[E], 1, "quota_R")) {
+        PyBuffer_Release(&load);
+        PyBuffer_Release(&ptr);
+        return NULL;
+    }
+    int64_t *q = quota.buf;
+    for (int64_t e = 0; e < E; e++) {
+        int64_t n = p[e + 1] - p[e];
+        if (n < 1) continue;
+        int64_t base = x[e] / n, extra = x[e] % n;
+        for (int64_t k = 0; k < n; k++) q[p[e] + k] = base + (k < extra);
+    }
+    PyBuffer_Release(&load);
+    PyBuffer_Release(&ptr);
+    PyBuffer_Release(&quota);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
+    {"replica_table", (PyCFunction)(void (*)(void))replica_table, METH_FASTCALL,
+     "a placement's replicas in (expert, rank) order from its slot table (see the module source)."},
+    {"even_quotas", (PyCFunction)(void (*)(void))even_quotas, METH_FASTCALL,
+     "every expert's tokens split evenly over its replicas (see the module source)."},
+    {"count_sums", (PyCFunction)(void (*)(void))count_sums, METH_FASTCALL,
+     "whether a count is negative, and every expert's column sum (see the module source)."},
+    {"rank_sums", (PyCFunction)(void (*)(void))rank_sums, METH_FASTCALL,
+     "every rank's replica quotas summed, and their max and sum (see the module source)."},
     {"rank_tables", (PyCFunction)(void (*)(void))rank_tables, METH_FASTCALL,
      "one rank's send and receive tables from a plan's route (see the module source)."},
     {"route_csr", (PyCFunction)(void (*)(void))route_csr, METH_FASTCALL,

@@ -21,6 +21,7 @@ from typing import Sequence
 
 import numpy as np
 
+from .compiled import compiled
 from .errors import PlanError
 from .route import route_and_sends
 
@@ -30,9 +31,12 @@ LAYOUTS = (OWNER, SHARDED)
 
 
 def _frozen_i64(a, name: str, ndim: int) -> np.ndarray:
-    if isinstance(a, np.ndarray) and a.dtype == np.int64 and a.ndim == ndim and not a.flags.writeable \
-            and a.base is None and a.flags.c_contiguous:
-        return a  # already a frozen int64 copy (built by this module or a planner)
+    if type(a) is np.ndarray and a.dtype == np.int64 and a.ndim == ndim:
+        if not a.flags.writeable and a.base is None and a.flags.c_contiguous:
+            return a  # already a frozen int64 copy (built by this module or a planner)
+        arr = a.copy()  # C order: the counts as the runtime gathers them take this path alone
+        arr.flags.writeable = False
+        return arr
     arr = np.asarray(a)
     if arr.ndim != ndim:
         raise PlanError(f"{name} must be {ndim}-D, got shape {arr.shape}")
@@ -57,6 +61,42 @@ def check_counts(counts_DE, num_ranks: int | None = None, num_experts: int | Non
         d, e = np.argwhere(counts < 0)[0]
         raise PlanError(f"counts_DE[{d}, {e}] = {counts[d, e]} is negative")
     return counts
+
+
+_COUNT_SUMS = compiled("megatron_rails.core._route_c", "count_sums")  # None: numpy below
+_REPLICA_TABLE = compiled("megatron_rails.core._route_c", "replica_table")  # None: _replica_table
+_RANK_SUMS = compiled("megatron_rails.core._route_c", "rank_sums")  # None: Plan.load_D
+
+
+def counts_and_load(counts_DE, num_ranks: int, num_experts: int) -> tuple[np.ndarray, np.ndarray]:
+    """check_counts(counts_DE, num_ranks, num_experts) and the tokens of every expert (int64 [E],
+    its column sums): in one compiled pass where built, which costs a planner a few microseconds
+    where numpy's two reductions cost tens when the host's caches are cold (between the plans of a
+    training step they are: scripts/profile_local.py --plan-only --cold)."""
+    if _COUNT_SUMS is None:
+        counts = check_counts(counts_DE, num_ranks, num_experts)
+        return counts, counts.sum(axis=0)
+    counts = check_counts(counts_DE, num_ranks, num_experts, nonnegative=False)
+    load_E = np.empty(num_experts, dtype=np.int64)
+    if _COUNT_SUMS(counts, num_ranks, num_experts, load_E) < 0:  # D, E >= 1: never empty
+        check_counts(counts)  # raises, naming the negative entry
+    return counts, load_E
+
+
+def rank_peak(rank_R: np.ndarray, amount_R: np.ndarray, num_ranks: int) -> tuple[int, int]:
+    """(max, sum) over ranks of amount_R summed by rank_R (int64 [R] each; every rank in [0, D)):
+    numpy's bincount with weights and two reductions, compiled where built, which cost tens of
+    microseconds on the cold caches between a step's plans where the compiled pass costs a few."""
+    if _RANK_SUMS is None or rank_R.dtype != np.int64 or amount_R.dtype != np.int64:
+        load = np.bincount(rank_R, weights=amount_R, minlength=num_ranks).astype(np.int64)
+        return int(load.max(initial=0)), int(load.sum())
+    return _RANK_SUMS(c_order(rank_R), c_order(amount_R), rank_R.size, num_ranks, np.empty(num_ranks, dtype=np.int64))
+
+
+def c_order(a: np.ndarray) -> np.ndarray:
+    """`a` where C-contiguous already (no numpy call: on cold caches each costs microseconds), else
+    a C-contiguous copy: what the compiled helpers take."""
+    return a if a.flags.c_contiguous else np.ascontiguousarray(a)
 
 
 def owner_of_experts(num_experts: int, num_ranks: int) -> np.ndarray:
@@ -128,6 +168,30 @@ class Placement:
         obj.__dict__.update(slot_expert_DS=slot_expert_DS, num_experts=num_experts, ranks_per_node=ranks_per_node,
                             layout=layout, owner_slots=owner_slots)  # frozen: no __setattr__ (hot path)
         return obj
+
+    @classmethod
+    def sharded_table(cls, slot_expert_DS: np.ndarray, num_experts: int, ranks_per_node: int) -> "Placement":
+        """Placement(slot_expert_DS, num_experts, ranks_per_node, SHARDED) for a slot table a planner
+        just built (int64 [D, S], C-contiguous, writable: frozen here), with the same checks: where
+        compiled, its replica table and expert_ptr come from one pass that also finds an expert id
+        out of range or hosted twice on a rank (the constructor then names it), instead of the
+        numpy sort and reductions, which cost a plan tens of microseconds on cold caches."""
+        se, E, G = slot_expert_DS, int(num_experts), int(ranks_per_node)
+        D, S = se.shape
+        if _REPLICA_TABLE is None or E < 1 or G < 1 or D % G:
+            return cls(se, E, G, SHARDED, 0)
+        tables = np.empty((3, D * S), dtype=np.int64)
+        ptr = np.empty(E + 1, dtype=np.int64)
+        R = _REPLICA_TABLE(se, D, S, E, tables[0], tables[1], tables[2], ptr)
+        if R < 0:
+            return cls(se, E, G, SHARDED, 0)  # raises, naming the slot
+        se.flags.writeable = False
+        tables = tables[:, :R]
+        tables.flags.writeable = False
+        ptr.flags.writeable = False
+        p = cls.trusted(se, E, G, SHARDED, 0)
+        p.__dict__.update(_replicas=(tables[0], tables[1], tables[2]), expert_ptr=ptr)
+        return p
 
     # -- constructors ---------------------------------------------------------------------------
     @classmethod
@@ -424,6 +488,11 @@ class Plan:
         """int64 [D]: tokens each rank's experts compute (the compute load)."""
         p = self.placement
         return np.bincount(p.replica_rank_R, weights=self.quota_R, minlength=p.num_ranks).astype(np.int64)
+
+    def peak_load(self) -> tuple[int, int]:
+        """(max, sum) of load_D, by rank_peak (compiled where built)."""
+        p = self.placement
+        return rank_peak(p.replica_rank_R, self.quota_R, p.num_ranks)
 
     @property
     def max_over_mean(self) -> float:

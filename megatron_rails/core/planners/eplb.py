@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..plan import Placement, Plan, owner_of_experts
+from ..plan import Placement, Plan, owner_of_experts, rank_peak
 from .base import PlannerBase, PlannerConfig, even_quotas
 from .packing import lpt_place, replica_counts
 
@@ -62,10 +62,9 @@ class EplbPlanner(PlannerBase):
         return EplbState(np.zeros((0, self.cfg.num_experts), dtype=np.int64))
 
     def plan(self, counts_DE, state: EplbState | None = None):
-        counts = self.counts(counts_DE)
+        counts, load_E = self.counts_and_load(counts_DE)
         cfg = self.cfg
         state = state or self.initial_state()
-        load_E = counts.sum(axis=0)
         history = np.concatenate([state.history_IE, load_E[None]])[-cfg.window:]
         history.flags.writeable = False
         placement = state.placement
@@ -74,17 +73,16 @@ class EplbPlanner(PlannerBase):
             placement = self.place(history.sum(axis=0))
         info = {"replanned": replanned, "history_steps": int(history.shape[0]), "stock_fallback": False}
         quota = even_quotas(load_E, placement.expert_ptr)
-        if placement.num_replicas > cfg.num_experts:  # replicas: never worse than stock for these counts
-            load_D = np.bincount(placement.replica_rank_R, weights=quota, minlength=cfg.num_ranks)
-            stock_D = np.bincount(self._owner, weights=load_E, minlength=cfg.num_ranks)
-            if load_D.max() > stock_D.max():
-                info["stock_fallback"] = True
-                load_E.flags.writeable = False
-                plan = Plan.trusted(self._stock, counts, load_E, self.name, info)  # one replica each
-                return plan, EplbState(history, state.step + 1, placement)
         # even splits of every expert's load over its replicas: they sum to the counts by construction
         quota.flags.writeable = False
         plan = Plan.trusted(placement, counts, quota, self.name, info)
+        if placement.num_replicas > cfg.num_experts:  # replicas: never worse than stock for these counts
+            # both busiest ranks by rank_peak (compiled), not numpy's bincounts and maxima: those
+            # cost tens of microseconds on the cold caches between a step's plans
+            if plan.peak_load()[0] > rank_peak(self._owner, load_E, cfg.num_ranks)[0]:
+                info["stock_fallback"] = True
+                load_E.flags.writeable = False
+                plan = Plan.trusted(self._stock, counts, load_E, self.name, info)  # one replica each
         return plan, EplbState(history, state.step + 1, placement)
 
     # -- placement ----------------------------------------------------------------------------------

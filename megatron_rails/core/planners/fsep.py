@@ -49,10 +49,9 @@ class FsepPlanner(PlannerBase):
         return self._kernel is not None
 
     def plan(self, counts_DE, state=None):
-        counts = self.counts(counts_DE)
+        counts, load_E = self.counts_and_load(counts_DE)
         cfg = self.cfg
         D, E, C = cfg.num_ranks, cfg.num_experts, cfg.total_slots
-        load_E = counts.sum(axis=0)
         if self._kernel is not None:  # the same layout, compiled (_fsep_c.c)
             slot_DS = np.empty((D, C), dtype=np.int64)
             code, replicas, unplaced = self._kernel(load_E, D, E, C, self.tol_limit, slot_DS)
@@ -121,7 +120,7 @@ class FsepPlanner(PlannerBase):
         slots. The placement is checked (an LPT bug would show there); the quotas fit the counts by
         construction (every expert's even split sums to its load)."""
         cfg = self.cfg
-        placement = Placement(slot_DS, cfg.num_experts, cfg.ranks_per_node, SHARDED, 0)
+        placement = Placement.sharded_table(slot_DS, cfg.num_experts, cfg.ranks_per_node)
         quota = even_quotas(load_E, placement.expert_ptr)
         quota.flags.writeable = False
         return Plan.trusted(placement, counts, quota, self.name, self._info(replicas, unplaced))

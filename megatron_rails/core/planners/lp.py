@@ -18,7 +18,7 @@ import os
 import numpy as np
 
 from ..oracle import lp_integer_quotas, lp_min_max, time_vs_oracle  # noqa: F401 (re-export for the CLI)
-from ..plan import Placement, Plan, PlanError, owner_slots_needed
+from ..plan import OWNER, Placement, Plan, PlanError, owner_slots_needed
 from .base import PlannerBase, PlannerError
 from .eplb import EplbPlanner
 from .flow import min_max_quotas
@@ -91,18 +91,19 @@ class LpPlanner(PlannerBase):
 
     def plan(self, counts_DE, state=None):
         """counts_DE: int64 [D, E]. Returns (Plan, state of the placement's planner)."""
-        counts = self.counts(counts_DE)
         if self._static is not None:
+            counts, load_E = self.counts_and_load(counts_DE)
             placement, next_state, base_info = self._static, None, {}
         else:
-            base_plan, next_state = self.base_planner().plan(counts, state)
+            base_plan, next_state = self.base_planner().plan(counts_DE, state)  # it checks the counts
             placement, base_info = base_plan.placement, base_plan.info
             t = _optimal_as_is(base_plan)
             if t is not None:  # no solver can do better on this placement: its quotas stand
                 info = {"t_int": t, "solver": "bound", "flows": 0, "placement": self.cfg.placement,
                         "placement_info": base_info}
                 return Plan.trusted(placement, base_plan.counts_DE, base_plan.quota_R, self.name, info), next_state
-        quota, info = self.schedule(counts.sum(axis=0), placement)
+            counts, load_E = base_plan.counts_DE, base_plan.load_E
+        quota, info = self.schedule(load_E, placement)
         info.update(placement=self.cfg.placement, placement_info=base_info)
         return Plan.from_quotas(placement, counts, quota, policy=self.name, info=info), next_state
 
@@ -131,12 +132,13 @@ def _optimal_as_is(plan: Plan):
     it reaches the lower bound ceil(total / D) that every split must meet, or no loaded expert has
     two replicas (then every split is the same). Checked before any solve: the placement's own
     planner usually gets there (ultraep, whenever its cascade reaches the mean bound)."""
-    load_D = plan.load_D
-    t = int(load_D.max(initial=0))
-    total = int(load_D.sum())
-    if t * load_D.size <= total + load_D.size - 1:  # t <= ceil(total / D)
+    t, total = plan.peak_load()
+    D = plan.placement.num_ranks
+    if t * D <= total + D - 1:  # t <= ceil(total / D)
         return t
     p = plan.placement
+    if p.layout == OWNER and p.num_replicas == p.num_experts:  # the owners alone: one replica each
+        return t
     if not np.count_nonzero((p.replicas_per_expert_E >= 2) & (plan.load_E > 0)):
         return t
     return None

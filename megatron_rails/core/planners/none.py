@@ -16,10 +16,9 @@ class NonePlanner(PlannerBase):
         self._placement = Placement.owner(E, D, self.cfg.ranks_per_node)
 
     def plan(self, counts_DE, state=None):
-        counts = self.counts(counts_DE)
         # one replica per expert, in expert order: its quota is the expert's whole load, so the
         # plan holds by construction
-        load_E = counts.sum(axis=0)
+        counts, load_E = self.counts_and_load(counts_DE)
         load_E.flags.writeable = False
         plan = Plan.trusted(self._placement, counts, load_E, policy=self.name)
         plan.__dict__["load_E"] = load_E
