@@ -45,8 +45,9 @@ def test_compiled_route_is_built_where_a_compiler_exists():
     assert route_mod._KERNEL is not None, "megatron_rails/core/_route_c.c was not built: reinstall (pip install -e .)"
 
 
+# (32, 64, 8): the route's worst-case buffers above route._KEEP_CAPACITY (entries copied out)
 @pytest.mark.parametrize("D,E,G", [(2, 4, 1), (4, 8, 2), (8, 8, 8), (8, 8, 2), (8, 16, 4), (16, 64, 4), (4, 6, 2),
-                                   (32, 8, 8)])
+                                   (32, 8, 8), (32, 64, 8)])
 def test_every_planners_route_matches_the_definition(D, E, G):
     rng = np.random.default_rng(D * 1000 + E * 10 + G)
     policies = (["none"] if E % D == 0 else []) + ["eplb", "ultraep", "lp", "fsep"]
@@ -65,6 +66,7 @@ def test_every_planners_route_matches_the_definition(D, E, G):
             ref_DD = np.zeros((D, D), dtype=np.int64)
             np.add.at(ref_DD, (src, plan.placement.replica_rank_R[rep]), tok)
             assert np.array_equal(plan.send_DD, ref_DD) and plan.send_DD.dtype == np.int64
+            assert not plan.send_DD.flags.writeable
 
 
 def test_random_quotas_on_random_placements():

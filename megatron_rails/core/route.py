@@ -113,21 +113,38 @@ def route_and_sends(counts_DE: np.ndarray, placement, quota_R, compiled: bool = 
     """(route_csr's route, send_DD int64 [D, D] read-only: tokens rank i sends to rank j, from the
     compiled route in the same pass; None where the route came from Python)."""
     p = placement
-    quota = np.asarray(quota_R, dtype=np.int64)
+    # no conversion calls where none is needed: on the cold caches between a step's plans each
+    # numpy call costs microseconds (scripts/profile_local.py --plan-only --cold)
+    quota = quota_R if _int64_c(quota_R) else np.ascontiguousarray(quota_R, dtype=np.int64)
     D, E = counts_DE.shape
     R = p.num_replicas
     if compiled and _KERNEL is not None and quota.shape == (R,) and R and p.num_ranks == D:
         cap = 3 * D * E + 2 * R
-        ptr, out, send_DD = np.empty(D + 1, dtype=np.int64), np.empty((2, cap), dtype=np.int64), np.empty(
-            (D, D), dtype=np.int64)
-        M = _KERNEL(np.ascontiguousarray(counts_DE, dtype=np.int64), p.replica_expert_R, p.replica_rank_R,
-                    np.ascontiguousarray(quota), D, E, R, p.ranks_per_node, ptr, out[0], out[1], send_DD)
+        ptr, rep, tok, send_DD = (np.empty(D + 1, dtype=np.int64), np.empty(cap, dtype=np.int64),
+                                  np.empty(cap, dtype=np.int64), np.empty((D, D), dtype=np.int64))
+        counts = counts_DE if _int64_c(counts_DE) else np.ascontiguousarray(counts_DE, dtype=np.int64)
+        M = _KERNEL(counts, p.replica_expert_R, p.replica_rank_R, quota, D, E, R, p.ranks_per_node, ptr, rep, tok,
+                    send_DD)
         if M >= 0:  # else the quotas do not fit the counts: the Python path below says how
-            res = (ptr, out[0, :M].copy(), out[1, :M].copy())
-            for a in (*res, send_DD):
+            for a in (ptr, rep, tok, send_DD):
                 a.flags.writeable = False
-            return res, send_DD
+            # the entries as views of the worst-case buffers where those are small, else copies
+            # (at EP 1024 x E 256 each buffer is 6 MB, kept as long as the plan is)
+            if cap <= _KEEP_CAPACITY:
+                rep, tok = rep[:M], tok[:M]
+            else:
+                rep, tok = rep[:M].copy(), tok[:M].copy()
+                rep.flags.writeable = tok.flags.writeable = False
+            return (ptr, rep, tok), send_DD
     return _route_python(counts_DE, p, quota), None
+
+
+_KEEP_CAPACITY = 4096  # route buffers up to 32 KiB each stay with the plan
+
+
+def _int64_c(a) -> bool:
+    """Whether `a` is an int64 C-contiguous ndarray already."""
+    return type(a) is np.ndarray and a.dtype == np.int64 and a.flags.c_contiguous
 
 
 def _route_python(counts_DE: np.ndarray, p, quota: np.ndarray) -> tuple[np.ndarray, ...]:
