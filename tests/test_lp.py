@@ -366,3 +366,34 @@ def test_solvers_print_nothing():
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
     assert p.stdout == "", p.stdout
+
+
+def test_one_placement_routing_many_loads_matches_fresh_solves():
+    """A step's resident placement routes every microbatch on network shapes it keeps per set of
+    flexible experts (flow._shape): loads whose flexible sets differ, repeat and overflow the kept
+    shapes give what a fresh placement gives for each (quotas, loads, optimum, flows), and the
+    oracle's optimum; the pre-checked entry (checked=True) gives the same."""
+    from megatron_rails.core.planners import flow
+
+    rng = np.random.default_rng(21)
+    for _ in range(40):
+        load0, placement = random_case(rng)
+        loads = []
+        for k in range(2 * flow._SHAPES_KEPT + 3):
+            load = load0.copy() if k % 3 == 0 else rng.integers(0, 60, size=load0.size)
+            load[rng.random(load.size) < 0.3] = 0  # other experts unloaded: other flexible sets
+            load[placement.replicas_per_expert_E == 0] = 0
+            loads.append(load.astype(np.int64))
+        loads += loads[:4]  # sets seen before, maybe dropped from the kept shapes since
+        for load in loads:
+            got = min_max_quotas(load, placement)
+            fresh = Placement(placement.slot_expert_DS.copy(), placement.num_experts, placement.ranks_per_node,
+                              placement.layout, placement.owner_slots)
+            want = min_max_quotas(load, fresh)
+            checked = min_max_quotas(load, placement, checked=True)
+            for res in (got, checked):
+                np.testing.assert_array_equal(res.quota_R, want.quota_R)
+                np.testing.assert_array_equal(res.load_D, want.load_D)
+                assert (res.t_int, res.t_frac, res.flows) == (want.t_int, want.t_frac, want.flows)
+            assert len(placement.__dict__.get("_flow_shapes", {})) <= flow._SHAPES_KEPT
+        check_against_oracle(loads[-1], placement)

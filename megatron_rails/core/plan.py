@@ -93,6 +93,17 @@ def rank_peak(rank_R: np.ndarray, amount_R: np.ndarray, num_ranks: int) -> tuple
     return _RANK_SUMS(c_order(rank_R), c_order(amount_R), rank_R.size, num_ranks, np.empty(num_ranks, dtype=np.int64))
 
 
+def rank_totals(rank_R: np.ndarray, amount_R: np.ndarray, num_ranks: int) -> np.ndarray:
+    """int64 [D]: amount_R summed by rank_R (int64 [R] each; every rank in [0, D)), exactly (numpy's
+    add.at, compiled where built: one of the slowest numpy calls on a small array)."""
+    out = np.zeros(num_ranks, dtype=np.int64)
+    if _RANK_SUMS is None or rank_R.dtype != np.int64 or amount_R.dtype != np.int64:
+        np.add.at(out, rank_R, amount_R)
+    else:
+        _RANK_SUMS(c_order(rank_R), c_order(amount_R), rank_R.size, num_ranks, out)
+    return out
+
+
 def c_order(a: np.ndarray) -> np.ndarray:
     """`a` where C-contiguous already (no numpy call: on cold caches each costs microseconds), else
     a C-contiguous copy: what the compiled helpers take."""

@@ -26,7 +26,7 @@ from fractions import Fraction
 
 import numpy as np
 
-from ..plan import Placement, PlanError
+from ..plan import Placement, PlanError, rank_totals
 
 
 @dataclass(frozen=True)
@@ -41,16 +41,20 @@ class MinMaxResult:
     flows: int = 0
 
 
-def check_load(load_E, placement: Placement) -> np.ndarray:
-    """Validate load_E against a placement: int64 [E], non-negative, every loaded expert hosted."""
-    load = np.asarray(load_E)
-    if load.shape != (placement.num_experts,):
-        raise PlanError(f"load_E has shape {load.shape}, expected ({placement.num_experts},)")
-    if load.size and not np.issubdtype(load.dtype, np.integer):
-        raise PlanError(f"load_E must hold integers, got dtype {load.dtype}")
-    load = load.astype(np.int64, copy=False)
-    if load.size and load.min() < 0:
-        raise PlanError(f"expert {int(np.argmin(load))} has a negative load {load.min()}")
+def check_load(load_E, placement: Placement, checked: bool = False) -> np.ndarray:
+    """Validate load_E against a placement: int64 [E], non-negative, every loaded expert hosted.
+    checked: load_E is an int64 [E] array known to be non-negative (only the hosting is checked)."""
+    if checked:
+        load = load_E
+    else:
+        load = np.asarray(load_E)
+        if load.shape != (placement.num_experts,):
+            raise PlanError(f"load_E has shape {load.shape}, expected ({placement.num_experts},)")
+        if load.size and not np.issubdtype(load.dtype, np.integer):
+            raise PlanError(f"load_E must hold integers, got dtype {load.dtype}")
+        load = load.astype(np.int64, copy=False)
+        if load.size and load.min() < 0:
+            raise PlanError(f"expert {int(np.argmin(load))} has a negative load {load.min()}")
     orphan = (load > 0) & (placement.replicas_per_expert_E == 0)
     if orphan.any():
         e = int(np.flatnonzero(orphan)[0])
@@ -58,27 +62,28 @@ def check_load(load_E, placement: Placement) -> np.ndarray:
     return load
 
 
-def min_max_quotas(load_E, placement: Placement) -> MinMaxResult:
+def min_max_quotas(load_E, placement: Placement, checked: bool = False) -> MinMaxResult:
     """Exact min-max quotas. load_E: int64 [E] (non-negative). Returns MinMaxResult.
+    checked: load_E is known to be an int64 [E] array without negative entries (check_load).
 
     Raises PlanError if an expert with tokens has no replica.
     """
     p = placement
-    load = check_load(load_E, p)
+    load = check_load(load_E, p, checked)
     D, R = p.num_ranks, p.num_replicas
     ptr, rank_R, n_E = p.expert_ptr, p.replica_rank_R, p.replicas_per_expert_E
     quota = np.zeros(R, dtype=np.int64)
-    single = np.flatnonzero((n_E == 1) & (load > 0))
+    loaded = load > 0
+    single = np.flatnonzero((n_E == 1) & loaded)
     quota[ptr[single]] = load[single]
-    base = np.zeros(D, dtype=np.int64)
-    np.add.at(base, rank_R[ptr[single]], load[single])
-    flex = np.flatnonzero((n_E >= 2) & (load > 0))
+    base = rank_totals(rank_R[ptr[single]], load[single], D)
+    flex = np.flatnonzero((n_E >= 2) & loaded)
     total = int(load.sum())
     if flex.size == 0:
         t = int(base.max())
         return _result(quota, base, t, Fraction(t))
 
-    net = _Network(load[flex], ptr[flex], n_E[flex], rank_R, base)
+    net = _Network(_shape(p, flex), load[flex], base)
     # Both are ratios w(X)/|X| of real rank sets (all ranks; the most loaded single rank), so T <= T*.
     T = max(Fraction(total, D), Fraction(int(base.max())))
     flows = 0
@@ -109,44 +114,56 @@ def _result(quota, load_D, t_int, t_frac, flows=0) -> MinMaxResult:
     return MinMaxResult(quota, load_D, int(t_int), t_frac, flows)
 
 
-class _Network:
-    """The flow network of the flexible experts, built once and re-solved for every T.
+_SHAPES_KEPT = 8  # flexible-expert sets whose network shape a placement keeps
+
+
+def _shape(placement: Placement, flex: np.ndarray) -> "_Shape":
+    """The network shape of `placement`'s flexible experts `flex` (int64, ascending), made once and
+    kept on the placement: a step's resident placement routes every microbatch (planners/step.py)
+    and its flexible set rarely changes, so later microbatches skip the construction's numpy calls."""
+    kept = placement.__dict__.setdefault("_flow_shapes", {})
+    key = flex.tobytes()
+    shape = kept.get(key)
+    if shape is None:
+        if len(kept) >= _SHAPES_KEPT:
+            kept.clear()
+        p = placement
+        shape = kept[key] = _Shape(p.expert_ptr[flex], p.replicas_per_expert_E[flex], p.replica_rank_R, p.num_ranks)
+    return shape
+
+
+class _Shape:
+    """What the flow network of a set of flexible experts is, independent of their loads.
 
     E, R, D count the flexible experts, their replicas and the ranks hosting them (module docstring);
-    the arguments rank_all_R and base_all_D cover the whole placement.
+    rank_all_R covers the whole placement, num_ranks its ranks.
     Nodes: 0 source, 1..E experts, E+1..E+D ranks, E+D+1 sink. Edge 2i and its reverse 2i+1:
     source->expert k (i = k), expert->host (i = E + m for flexible replica m), rank->sink (i = E + R + j).
     """
 
-    def __init__(self, load_E, ptr_E, n_E, rank_all_R, base_all_D):
-        E = load_E.size
+    def __init__(self, ptr_E, n_E, rank_all_R, num_ranks: int):
+        E = n_E.size
         R = int(n_E.sum())
         kstart = np.zeros(E + 1, dtype=np.int64)
         np.cumsum(n_E, out=kstart[1:])
         k_R = np.repeat(np.arange(E, dtype=np.int64), n_E)
         self.rep_R = np.arange(R, dtype=np.int64) + np.repeat(ptr_E - kstart[:-1], n_E)
         rank_R = rank_all_R[self.rep_R]
-        hosts = np.zeros(base_all_D.size, dtype=bool)
+        hosts = np.zeros(num_ranks, dtype=bool)
         hosts[rank_R] = True
         self.rank_D = np.flatnonzero(hosts)  # ascending: node order does not depend on replica order
         self.node_R = (np.cumsum(hosts) - 1)[rank_R]
         D = self.rank_D.size
         self.E, self.R, self.D = E, R, D
         self.k_R, self.kstart = k_R, kstart
-        self.load_E, self.base_D = load_E, base_all_D[self.rank_D]
         # Python-int copies: the flow loops run on lists, which are much faster to index than arrays
-        self.load, self.base = load_E.tolist(), self.base_D.tolist()
         self.k_list, self.node_list, self.kstart_list = k_R.tolist(), self.node_R.tolist(), kstart.tolist()
-        self.flex_total = sum(self.load)
         self.n, self.t = E + D + 2, E + D + 1
         self._graph: tuple | None = None
-        self.f: list[int] = []  # flow per flexible replica after the last solve, in units of 1/q
-        self.q = 0  # units of the last solve (0: none yet)
-        self.level: list[int] = []
 
     def graph(self) -> tuple[list, list]:
-        """(adj, to): adjacency edge lists per node and edge heads; built only when the greedy start
-        leaves something for Dinic to do."""
+        """(adj, to): adjacency edge lists per node and edge heads (never modified: Dinic works on a
+        capacity list of its own); built only when a greedy start leaves something for Dinic to do."""
         if self._graph is None:
             E, R, D, t = self.E, self.R, self.D, self.t
             to = np.empty(2 * (E + R + D), dtype=np.int64)
@@ -169,6 +186,30 @@ class _Network:
             adj.append(list(range(2 * (E + R) + 1, 2 * (E + R + D), 2)))
             self._graph = (adj, to.tolist())
         return self._graph
+
+
+class _Network:
+    """The flow network of the flexible experts at their loads, re-solved for every T.
+
+    shape: _shape(placement, flexible experts); load_E: int64 [E] their loads; base_all_D: int64
+    [D_all] every rank's fixed load (its single-replica experts').
+    """
+
+    def __init__(self, shape: _Shape, load_E: np.ndarray, base_all_D: np.ndarray):
+        self.shape = shape
+        self.E, self.R, self.D, self.n, self.t = shape.E, shape.R, shape.D, shape.n, shape.t
+        self.rep_R, self.rank_D, self.node_R, self.k_R, self.kstart = (shape.rep_R, shape.rank_D, shape.node_R,
+                                                                       shape.k_R, shape.kstart)
+        self.k_list, self.node_list, self.kstart_list = shape.k_list, shape.node_list, shape.kstart_list
+        self.load_E, self.base_D = load_E, base_all_D[shape.rank_D]
+        self.load, self.base = load_E.tolist(), self.base_D.tolist()
+        self.flex_total = sum(self.load)
+        self.f: list[int] = []  # flow per flexible replica after the last solve, in units of 1/q
+        self.q = 0  # units of the last solve (0: none yet)
+        self.level: list[int] = []
+
+    def graph(self) -> tuple[list, list]:
+        return self.shape.graph()
 
     def solve(self, T: Fraction) -> bool:
         """Max-flow at T = p/q with capacities scaled by q (whole tokens for an integer T). True iff

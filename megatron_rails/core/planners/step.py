@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..plan import Placement, Plan, PlanError
+from ..plan import Placement, Plan, PlanError, counts_and_load
 from .flow import min_max_quotas
 
 REPLAN_GAIN = 0.05  # a fresh placement must lower max tokens per rank by this fraction of the mean
@@ -28,7 +28,8 @@ def hosts_every_loaded(placement: Placement, load_E: np.ndarray) -> bool:
 def route_on(placement: Placement, counts_DE: np.ndarray, policy: str, info: dict | None = None) -> Plan:
     """The plan routing counts_DE (int64 [D, E]) on a fixed placement with the smallest possible
     busiest rank (integer min-max quotas by max-flow). PlanError if a loaded expert is not hosted."""
-    res = min_max_quotas(counts_DE.sum(axis=0), placement)
+    counts_DE, load_E = counts_and_load(counts_DE, placement.num_ranks, placement.num_experts)
+    res = min_max_quotas(load_E, placement, checked=True)
     extra = {"resident": True, "t_int": res.t_int}
     return Plan.trusted(placement, counts_DE, res.quota_R, policy=policy, info={**(info or {}), **extra})
 
