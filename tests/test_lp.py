@@ -397,3 +397,10 @@ def test_one_placement_routing_many_loads_matches_fresh_solves():
                 assert (res.t_int, res.t_frac, res.flows) == (want.t_int, want.t_frac, want.flows)
             assert len(placement.__dict__.get("_flow_shapes", {})) <= flow._SHAPES_KEPT
         check_against_oracle(loads[-1], placement)
+        unhosted = np.flatnonzero(placement.replicas_per_expert_E == 0)
+        if unhosted.size:  # a loaded expert without a replica: the same message either way
+            bad = loads[0].copy()
+            bad[unhosted[-1]] = 7
+            for checked in (False, True):
+                with pytest.raises(PlanError, match=rf"expert {unhosted[-1]} has 7 tokens but no replica"):
+                    min_max_quotas(bad, placement, checked=checked)

@@ -11,9 +11,10 @@
  * counts) are left to the Python path, which says what is wrong.
  *
  * route_csr(counts, rep_expert, rep_rank, quota, D, E, R, G, ptr, rep_out, tok_out, send_DD) -> M
- * (and rank_tables below: one rank's send and receive tables from the route; count_sums: whether
- * a count is negative, and the column sums; rank_sums: every rank's load; replica_table and even_quotas: a placement's replicas
- * from its slot table, and every expert's tokens split evenly over them)
+ * (and below: rank_tables, one rank's send and receive tables from the route; the small passes
+ * every plan makes: count_sums, whether a count is negative and the column sums; rank_sums, every
+ * rank's load; replica_table and even_quotas, a placement's replicas from its slot table and every
+ * expert's tokens split evenly over them; flow_split, the exact flow's first pass)
  *   counts      int64 [D, E], C-contiguous (read)
  *   rep_expert, rep_rank, quota   int64 [R]: replicas in (expert, rank) order (read)
  *   ptr         int64 [D + 1]          (written)
@@ -517,7 +518,71 @@ static PyObject *even_quotas(PyObject *self, PyObject *const *args, Py_ssize_t n
     Py_RETURN_NONE;
 }
 
+/* flow_split(load_E, n_E, ptr, rank_R, E, R, D, quota_out, base_out, flex_out)
+ *     -> (flexible experts, total load, largest base load, first unhosted loaded expert or -1)
+ * planners/flow.py min_max_quotas' first pass: experts with one replica take their whole load
+ * (quota_out int64 [R], written, zero elsewhere) onto their rank's base load (base_out int64 [D],
+ * written); loaded experts with two or more replicas are listed (flex_out int64 [E], written,
+ * ascending). load_E (non-negative), n_E int64 [E], ptr int64 [E + 1], rank_R int64 [R] (read). */
+static PyObject *flow_split(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 10) {
+        PyErr_SetString(PyExc_TypeError, "flow_split takes 10 arguments");
+        return NULL;
+    }
+    int64_t E = PyLong_AsLongLong(args[4]), R = PyLong_AsLongLong(args[5]), D = PyLong_AsLongLong(args[6]);
+    if (PyErr_Occurred()) return NULL;
+    if (E < 1 || R < 0 || D < 1) {
+        PyErr_SetString(PyExc_ValueError, "flow_split: bad sizes");
+        return NULL;
+    }
+    Py_buffer v[7];
+    const char *names[7] = {"load_E", "n_E", "ptr", "rank_R", "quota_out", "base_out", "flex_out"};
+    const int64_t sizes[7] = {E, E, E + 1, R, R, D, E};
+    const int slot[7] = {0, 1, 2, 3, 7, 8, 9};
+    int got = 0;
+    for (; got < 7; got++)
+        if (get_buffer(args[slot[got]], &v[got], sizes[got], got >= 4, names[got])) break;
+    if (got < 7) {
+        for (int i = 0; i < got; i++) PyBuffer_Release(&v[i]);
+        return NULL;
+    }
+    const int64_t *load = v[0].buf, *n = v[1].buf, *ptr = v[2].buf, *rank = v[3].buf;
+    int64_t *quota = v[4].buf, *base = v[5].buf, *flex = v[6].buf;
+    int64_t nflex = 0, total = 0, orphan = -1, most = 0, bad = 0;
+    for (int64_t r = 0; r < R; r++) quota[r] = 0;
+    for (int64_t d = 0; d < D; d++) base[d] = 0;
+    for (int64_t e = 0; e < E && orphan < 0 && !bad; e++) {
+        int64_t x = load[e];
+        if (x <= 0) continue;
+        total += x;
+        if (n[e] == 0) {
+            orphan = e;
+        } else if (n[e] == 1) {
+            int64_t r = ptr[e], d = r >= 0 && r < R ? rank[r] : -1;
+            if (d < 0 || d >= D) {
+                bad = 1;
+                break;
+            }
+            quota[r] = x;
+            base[d] += x;
+        } else {
+            flex[nflex++] = e;
+        }
+    }
+    for (int64_t d = 0; d < D; d++)
+        if (base[d] > most) most = base[d];
+    for (int i = 0; i < 7; i++) PyBuffer_Release(&v[i]);
+    if (bad) {
+        PyErr_SetString(PyExc_ValueError, "flow_split: a replica outside the placement");
+        return NULL;
+    }
+    return Py_BuildValue("(LLLL)", (long long)nflex, (long long)total, (long long)most, (long long)orphan);
+}
+
 static PyMethodDef methods[] = {
+    {"flow_split", (PyCFunction)(void (*)(void))flow_split, METH_FASTCALL,
+     "the exact flow's first pass over the experts (see the module source)."},
     {"replica_table", (PyCFunction)(void (*)(void))replica_table, METH_FASTCALL,
      "a placement's replicas in (expert, rank) order from its slot table (see the module source)."},
     {"even_quotas", (PyCFunction)(void (*)(void))even_quotas, METH_FASTCALL,

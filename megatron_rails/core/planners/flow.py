@@ -26,7 +26,8 @@ from fractions import Fraction
 
 import numpy as np
 
-from ..plan import Placement, PlanError, rank_totals
+from ..compiled import compiled
+from ..plan import Placement, PlanError, c_order, rank_totals
 
 
 @dataclass(frozen=True)
@@ -69,23 +70,32 @@ def min_max_quotas(load_E, placement: Placement, checked: bool = False) -> MinMa
     Raises PlanError if an expert with tokens has no replica.
     """
     p = placement
-    load = check_load(load_E, p, checked)
-    D, R = p.num_ranks, p.num_replicas
+    D, R, E = p.num_ranks, p.num_replicas, p.num_experts
     ptr, rank_R, n_E = p.expert_ptr, p.replica_rank_R, p.replicas_per_expert_E
-    quota = np.zeros(R, dtype=np.int64)
-    loaded = load > 0
-    single = np.flatnonzero((n_E == 1) & loaded)
-    quota[ptr[single]] = load[single]
-    base = rank_totals(rank_R[ptr[single]], load[single], D)
-    flex = np.flatnonzero((n_E >= 2) & loaded)
-    total = int(load.sum())
+    if _FLOW_SPLIT is not None and checked:
+        # one compiled pass (a dozen numpy calls below, each costly on the cold caches between a
+        # step's microbatches): single-replica experts onto their rank's base, the flexible listed
+        quota, base, flex = np.empty(R, dtype=np.int64), np.empty(D, dtype=np.int64), np.empty(E, dtype=np.int64)
+        n_flex, total, base_max, orphan = _FLOW_SPLIT(c_order(load_E), c_order(n_E), c_order(ptr),
+                                                      c_order(rank_R), E, R, D, quota, base, flex)
+        if orphan >= 0:
+            raise PlanError(f"expert {orphan} has {load_E[orphan]} tokens but no replica in the placement")
+        load, flex = load_E, flex[:n_flex]
+    else:
+        load = check_load(load_E, p, checked)
+        quota = np.zeros(R, dtype=np.int64)
+        loaded = load > 0
+        single = np.flatnonzero((n_E == 1) & loaded)
+        quota[ptr[single]] = load[single]
+        base = rank_totals(rank_R[ptr[single]], load[single], D)
+        flex = np.flatnonzero((n_E >= 2) & loaded)
+        total, base_max = int(load.sum()), int(base.max())
     if flex.size == 0:
-        t = int(base.max())
-        return _result(quota, base, t, Fraction(t))
+        return _result(quota, base, base_max, Fraction(base_max))
 
     net = _Network(_shape(p, flex), load[flex], base)
     # Both are ratios w(X)/|X| of real rank sets (all ranks; the most loaded single rank), so T <= T*.
-    T = max(Fraction(total, D), Fraction(int(base.max())))
+    T = max(Fraction(total, D), Fraction(base_max))
     flows = 0
     # Dinkelbach: each step's X maximizes w(X) - T|X| and |X| strictly shrinks from step to step,
     # so at most (host ranks) + 1 <= D + 1 solves reach T*.
@@ -102,9 +112,9 @@ def min_max_quotas(load_E, placement: Placement, checked: bool = False) -> MinMa
         flows += 1
         if not net.solve(Fraction(t_int)):  # pragma: no cover - t_int >= T* is feasible
             raise RuntimeError(f"min_max_quotas: integer flow at {t_int} >= T*={T} infeasible")
-    quota[net.rep_R] = net.flow_R()
-    load_D = base.copy()
-    np.add.at(load_D, net.rank_D[net.node_R], quota[net.rep_R])
+    flow_R = net.flow_R()
+    quota[net.rep_R] = flow_R
+    load_D = base + rank_totals(net.shape.rank_R, flow_R, D)
     return _result(quota, load_D, t_int, T, flows)
 
 
@@ -114,6 +124,7 @@ def _result(quota, load_D, t_int, t_frac, flows=0) -> MinMaxResult:
     return MinMaxResult(quota, load_D, int(t_int), t_frac, flows)
 
 
+_FLOW_SPLIT = compiled("megatron_rails.core._route_c", "flow_split")  # None: numpy in min_max_quotas
 _SHAPES_KEPT = 8  # flexible-expert sets whose network shape a placement keeps
 
 
@@ -148,7 +159,7 @@ class _Shape:
         np.cumsum(n_E, out=kstart[1:])
         k_R = np.repeat(np.arange(E, dtype=np.int64), n_E)
         self.rep_R = np.arange(R, dtype=np.int64) + np.repeat(ptr_E - kstart[:-1], n_E)
-        rank_R = rank_all_R[self.rep_R]
+        rank_R = self.rank_R = rank_all_R[self.rep_R]  # every flexible replica's rank (all ranks' numbering)
         hosts = np.zeros(num_ranks, dtype=bool)
         hosts[rank_R] = True
         self.rank_D = np.flatnonzero(hosts)  # ascending: node order does not depend on replica order
