@@ -296,6 +296,11 @@ class Placement:
         ptr.flags.writeable = False
         return ptr
 
+    @cached_property
+    def has_free_slot(self) -> bool:
+        """Whether any rank has an empty slot (one a replica could be added to)."""
+        return bool((self.slot_expert_DS < 0).any())
+
     @property
     def num_replicas(self) -> int:
         return int(self.replica_expert_R.size)

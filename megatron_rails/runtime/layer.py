@@ -28,6 +28,7 @@ import contextlib
 import copy
 import dataclasses
 import hashlib
+import math
 import os
 import threading
 import time
@@ -278,12 +279,15 @@ class LayerRuntime:
         plans afresh only when a replica could pay: the route is unbalanced, a slot is free, and the
         most it could save (down to the mean) reaches one replica's cost."""
         window = self.store.window
-        load_D = on.load_D
+        # the busiest rank and the total by one compiled pass (Plan.peak_load): numpy's bincount,
+        # max and mean on D numbers cost tens of microseconds on the cold caches of every microbatch
+        t_max, total = on.peak_load()
+        D = on.placement.num_ranks
         remaining = max(1, self._step_forwards - window.forwards)
         cost = self.policy.replica_cost_tokens or replica_cost_tokens(self.store.param_bytes // self.store.flat_size)
-        most = (int(load_D.max(initial=0)) - int(np.ceil(load_D.mean()))) * remaining
-        if (imbalance(load_D) <= 1 + BALANCE_WARN or most <= 0 or most < cost
-                or not (window.placement.slot_expert_DS < 0).any()):
+        most = (t_max - math.ceil(total / D)) * remaining  # down to the mean (rounded up as before)
+        balanced = total <= 0 or t_max * D / total <= 1 + BALANCE_WARN  # imbalance(load_D), the same float
+        if balanced or most <= 0 or most < cost or not window.placement.has_free_slot:
             return on, False
         if fresh is None:
             fresh, _ = self.planner.plan(counts_DE, self.state)
