@@ -156,6 +156,22 @@ static int get_buffer(PyObject *obj, Py_buffer *view, Py_ssize_t n, int writable
     return 0;
 }
 
+static void release_buffers(Py_buffer *v, int n) {
+    for (int i = 0; i < n; i++) PyBuffer_Release(&v[i]);
+}
+
+/* args[slot[i]] for i < n as int64 C-contiguous buffers of at least sizes[i] values into v[i],
+ * writable from index first_out on: 0, or -1 with the error set and every buffer taken released. */
+static int get_buffers(PyObject *const *args, const int *slot, const int64_t *sizes, const char *const *names,
+                       int n, int first_out, Py_buffer *v) {
+    for (int i = 0; i < n; i++)
+        if (get_buffer(args[slot[i]], &v[i], sizes[i], i >= first_out, names[i])) {
+            release_buffers(v, i);
+            return -1;
+        }
+    return 0;
+}
+
 static PyObject *route_csr(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
     if (nargs != 12) {
@@ -173,18 +189,13 @@ static PyObject *route_csr(PyObject *self, PyObject *const *args, Py_ssize_t nar
     const char *names[8] = {"counts", "rep_expert", "rep_rank", "quota", "ptr", "rep_out", "tok_out", "send_DD"};
     const int64_t sizes[8] = {D * E, R, R, R, D + 1, 3 * D * E + 2 * R, 3 * D * E + 2 * R, D * D};
     const int slot[8] = {0, 1, 2, 3, 8, 9, 10, 11};
-    int got = 0;
-    for (; got < 8; got++)
-        if (get_buffer(args[slot[got]], &v[got], sizes[got], got >= 4, names[got])) break;
+    if (get_buffers(args, slot, sizes, names, 8, 4, v)) return NULL;
     int64_t M = -1;
     int oom = 0;
-    if (got == 8) {
-        Py_BEGIN_ALLOW_THREADS
-        M = route(v[0].buf, v[1].buf, v[2].buf, v[3].buf, D, E, R, G, v[4].buf, v[5].buf, v[6].buf, v[7].buf, &oom);
-        Py_END_ALLOW_THREADS
-    }
-    for (int i = 0; i < got; i++) PyBuffer_Release(&v[i]);
-    if (got < 8) return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    M = route(v[0].buf, v[1].buf, v[2].buf, v[3].buf, D, E, R, G, v[4].buf, v[5].buf, v[6].buf, v[7].buf, &oom);
+    Py_END_ALLOW_THREADS
+    release_buffers(v, 8);
     if (oom) return PyErr_NoMemory();
     return PyLong_FromLongLong(M);
 }
@@ -382,33 +393,27 @@ static PyObject *rank_sums(PyObject *self, PyObject *const *args, Py_ssize_t nar
     const char *names[3] = {"rank_R", "quota_R", "load_out"};
     const int64_t sizes[3] = {R, R, D};
     const int slot[3] = {0, 1, 4};
-    int got = 0;
-    for (; got < 3; got++)
-        if (get_buffer(args[slot[got]], &v[got], sizes[got], got == 2, names[got])) break;
+    if (get_buffers(args, slot, sizes, names, 3, 2, v)) return NULL;
+    const int64_t *rank = v[0].buf, *quota = v[1].buf;
+    int64_t *load = v[2].buf, most, total = 0;
     int bad = 0;
-    if (got == 3) {
-        const int64_t *rank = v[0].buf, *quota = v[1].buf;
-        int64_t *load = v[2].buf;
-        for (int64_t d = 0; d < D; d++) load[d] = 0;
-        for (int64_t r = 0; r < R; r++) {
-            if (rank[r] < 0 || rank[r] >= D) {
-                bad = 1;
-                break;
-            }
-            load[rank[r]] += quota[r];
+    for (int64_t d = 0; d < D; d++) load[d] = 0;
+    for (int64_t r = 0; r < R; r++) {
+        if (rank[r] < 0 || rank[r] >= D) {
+            bad = 1;
+            break;
         }
+        load[rank[r]] += quota[r];
     }
-    for (int i = 0; i < got; i++) PyBuffer_Release(&v[i]);
-    if (got < 3) return NULL;
-    if (bad) {
-        PyErr_SetString(PyExc_ValueError, "rank_sums: a replica rank outside [0, D)");
-        return NULL;
-    }
-    const int64_t *load = v[2].buf;
-    int64_t most = load[0], total = 0;
+    most = load[0];
     for (int64_t d = 0; d < D; d++) {
         if (load[d] > most) most = load[d];
         total += load[d];
+    }
+    release_buffers(v, 3);
+    if (bad) {
+        PyErr_SetString(PyExc_ValueError, "rank_sums: a replica rank outside [0, D)");
+        return NULL;
     }
     return Py_BuildValue("(LL)", (long long)most, (long long)total);
 }
@@ -436,18 +441,12 @@ static PyObject *replica_table(PyObject *self, PyObject *const *args, Py_ssize_t
     const char *names[5] = {"slot_DS", "expert_R", "rank_R", "slot_R", "ptr"};
     const int64_t sizes[5] = {D * S, D * S, D * S, D * S, E + 1};
     const int slot[5] = {0, 4, 5, 6, 7};
-    int got = 0;
-    for (; got < 5; got++)
-        if (get_buffer(args[slot[got]], &v[got], sizes[got], got >= 1, names[got])) break;
-    if (got < 5) {
-        for (int i = 0; i < got; i++) PyBuffer_Release(&v[i]);
-        return NULL;
-    }
+    if (get_buffers(args, slot, sizes, names, 5, 1, v)) return NULL;
     const int64_t *se = v[0].buf;
     int64_t *er = v[1].buf, *rr = v[2].buf, *sr = v[3].buf, *ptr = v[4].buf, R = 0;
     int64_t *last = malloc((size_t)E * sizeof(int64_t)); /* the last rank seen hosting each expert */
     if (last == NULL) {
-        for (int i = 0; i < 5; i++) PyBuffer_Release(&v[i]);
+        release_buffers(v, 5);
         return PyErr_NoMemory();
     }
     for (int64_t e = 0; e <= E; e++) ptr[e] = 0;
@@ -474,7 +473,7 @@ static PyObject *replica_table(PyObject *self, PyObject *const *args, Py_ssize_t
             }
     }
     free(last);
-    for (int i = 0; i < 5; i++) PyBuffer_Release(&v[i]);
+    release_buffers(v, 5);
     return PyLong_FromLongLong(R);
 }
 
@@ -540,13 +539,7 @@ static PyObject *flow_split(PyObject *self, PyObject *const *args, Py_ssize_t na
     const char *names[7] = {"load_E", "n_E", "ptr", "rank_R", "quota_out", "base_out", "flex_out"};
     const int64_t sizes[7] = {E, E, E + 1, R, R, D, E};
     const int slot[7] = {0, 1, 2, 3, 7, 8, 9};
-    int got = 0;
-    for (; got < 7; got++)
-        if (get_buffer(args[slot[got]], &v[got], sizes[got], got >= 4, names[got])) break;
-    if (got < 7) {
-        for (int i = 0; i < got; i++) PyBuffer_Release(&v[i]);
-        return NULL;
-    }
+    if (get_buffers(args, slot, sizes, names, 7, 4, v)) return NULL;
     const int64_t *load = v[0].buf, *n = v[1].buf, *ptr = v[2].buf, *rank = v[3].buf;
     int64_t *quota = v[4].buf, *base = v[5].buf, *flex = v[6].buf;
     int64_t nflex = 0, total = 0, orphan = -1, most = 0, bad = 0;
@@ -572,7 +565,7 @@ static PyObject *flow_split(PyObject *self, PyObject *const *args, Py_ssize_t na
     }
     for (int64_t d = 0; d < D; d++)
         if (base[d] > most) most = base[d];
-    for (int i = 0; i < 7; i++) PyBuffer_Release(&v[i]);
+    release_buffers(v, 7);
     if (bad) {
         PyErr_SetString(PyExc_ValueError, "flow_split: a replica outside the placement");
         return NULL;
