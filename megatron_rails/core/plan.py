@@ -65,7 +65,7 @@ def check_counts(counts_DE, num_ranks: int | None = None, num_experts: int | Non
 
 _COUNT_SUMS = compiled("megatron_rails.core._route_c", "count_sums")  # None: numpy below
 _REPLICA_TABLE = compiled("megatron_rails.core._route_c", "replica_table")  # None: _replica_table
-_RANK_SUMS = compiled("megatron_rails.core._route_c", "rank_sums")  # None: Plan.load_D
+_RANK_SUMS = compiled("megatron_rails.core._route_c", "rank_sums")  # None: numpy in rank_totals
 
 
 def counts_and_load(counts_DE, num_ranks: int, num_experts: int) -> tuple[np.ndarray, np.ndarray]:
@@ -83,25 +83,16 @@ def counts_and_load(counts_DE, num_ranks: int, num_experts: int) -> tuple[np.nda
     return counts, load_E
 
 
-def rank_peak(rank_R: np.ndarray, amount_R: np.ndarray, num_ranks: int) -> tuple[int, int]:
-    """(max, sum) over ranks of amount_R summed by rank_R (int64 [R] each; every rank in [0, D)):
-    numpy's bincount with weights and two reductions, compiled where built, which cost tens of
-    microseconds on the cold caches between a step's plans where the compiled pass costs a few."""
-    if _RANK_SUMS is None or rank_R.dtype != np.int64 or amount_R.dtype != np.int64:
-        load = np.bincount(rank_R, weights=amount_R, minlength=num_ranks).astype(np.int64)
-        return int(load.max(initial=0)), int(load.sum())
-    return _RANK_SUMS(c_order(rank_R), c_order(amount_R), rank_R.size, num_ranks, np.empty(num_ranks, dtype=np.int64))
-
-
-def rank_totals(rank_R: np.ndarray, amount_R: np.ndarray, num_ranks: int) -> np.ndarray:
-    """int64 [D]: amount_R summed by rank_R (int64 [R] each; every rank in [0, D)), exactly (numpy's
-    add.at, compiled where built: one of the slowest numpy calls on a small array)."""
+def rank_totals(rank_R: np.ndarray, amount_R: np.ndarray, num_ranks: int) -> tuple[np.ndarray, int, int]:
+    """(int64 [D] amount_R summed by rank_R, its max, its sum): rank_R, amount_R int64 [R], every
+    rank in [0, D); exact. Compiled where built: numpy's add.at (or bincount) and two reductions
+    cost tens of microseconds on the cold caches between a step's plans, the compiled pass a few."""
     out = np.zeros(num_ranks, dtype=np.int64)
     if _RANK_SUMS is None or rank_R.dtype != np.int64 or amount_R.dtype != np.int64:
         np.add.at(out, rank_R, amount_R)
-    else:
-        _RANK_SUMS(c_order(rank_R), c_order(amount_R), rank_R.size, num_ranks, out)
-    return out
+        return out, int(out.max(initial=0)), int(out.sum())
+    most, total = _RANK_SUMS(c_order(rank_R), c_order(amount_R), rank_R.size, num_ranks, out)
+    return out, most, total
 
 
 def c_order(a: np.ndarray) -> np.ndarray:
@@ -503,12 +494,12 @@ class Plan:
     def load_D(self) -> np.ndarray:
         """int64 [D]: tokens each rank's experts compute (the compute load)."""
         p = self.placement
-        return np.bincount(p.replica_rank_R, weights=self.quota_R, minlength=p.num_ranks).astype(np.int64)
+        return rank_totals(p.replica_rank_R, self.quota_R, p.num_ranks)[0]
 
     def peak_load(self) -> tuple[int, int]:
-        """(max, sum) of load_D, by rank_peak (compiled where built)."""
+        """(max, sum) of load_D (rank_totals: compiled where built)."""
         p = self.placement
-        return rank_peak(p.replica_rank_R, self.quota_R, p.num_ranks)
+        return rank_totals(p.replica_rank_R, self.quota_R, p.num_ranks)[1:]
 
     @property
     def max_over_mean(self) -> float:
@@ -538,12 +529,15 @@ class Plan:
 
     @cached_property
     def send_DD(self) -> np.ndarray:
-        """int64 [D, D]: tokens rank i sends to rank j (the all-to-all's split sizes, in tokens)."""
+        """int64 [D, D], read-only: tokens rank i sends to rank j (the all-to-all's split sizes, in
+        tokens); the compiled route makes it in the same pass."""
         p, D = self.placement, self.placement.num_ranks
         ptr, rep, tok = self.route
         src = np.repeat(np.arange(D), np.diff(ptr))
         flat = src * D + p.replica_rank_R[rep]
-        return np.bincount(flat, weights=tok, minlength=D * D).astype(np.int64).reshape(D, D)
+        send_DD = np.bincount(flat, weights=tok, minlength=D * D).astype(np.int64).reshape(D, D)
+        send_DD.flags.writeable = False
+        return send_DD
 
     @property
     def weight_moves(self) -> int:

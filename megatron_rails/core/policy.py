@@ -61,8 +61,9 @@ def _floats_read(cls, data: dict) -> dict:
     hints = typing.get_type_hints(cls)
     out = dict(data)
     for k, v in data.items():
-        if hints.get(k) is float and isinstance(v, str) and number_text(v) is not None:
-            out[k] = number_text(v)
+        if hints.get(k) is float and isinstance(v, str):
+            f = number_text(v)
+            out[k] = v if f is None else f
     return out
 
 

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..plan import Placement, Plan, owner_of_experts, rank_peak
+from ..plan import Placement, Plan, owner_of_experts, rank_totals
 from .base import PlannerBase, PlannerConfig, even_quotas
 from .packing import lpt_place, replica_counts
 
@@ -77,9 +77,9 @@ class EplbPlanner(PlannerBase):
         quota.flags.writeable = False
         plan = Plan.trusted(placement, counts, quota, self.name, info)
         if placement.num_replicas > cfg.num_experts:  # replicas: never worse than stock for these counts
-            # both busiest ranks by rank_peak (compiled), not numpy's bincounts and maxima: those
+            # both busiest ranks by rank_totals (compiled), not numpy's bincounts and maxima: those
             # cost tens of microseconds on the cold caches between a step's plans
-            if plan.peak_load()[0] > rank_peak(self._owner, load_E, cfg.num_ranks)[0]:
+            if plan.peak_load()[0] > rank_totals(self._owner, load_E, cfg.num_ranks)[1]:
                 info["stock_fallback"] = True
                 load_E.flags.writeable = False
                 plan = Plan.trusted(self._stock, counts, load_E, self.name, info)  # one replica each

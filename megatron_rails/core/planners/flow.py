@@ -87,7 +87,7 @@ def min_max_quotas(load_E, placement: Placement, checked: bool = False) -> MinMa
         loaded = load > 0
         single = np.flatnonzero((n_E == 1) & loaded)
         quota[ptr[single]] = load[single]
-        base = rank_totals(rank_R[ptr[single]], load[single], D)
+        base = rank_totals(rank_R[ptr[single]], load[single], D)[0]
         flex = np.flatnonzero((n_E >= 2) & loaded)
         total, base_max = int(load.sum()), int(base.max())
     if flex.size == 0:
@@ -114,7 +114,7 @@ def min_max_quotas(load_E, placement: Placement, checked: bool = False) -> MinMa
             raise RuntimeError(f"min_max_quotas: integer flow at {t_int} >= T*={T} infeasible")
     flow_R = net.flow_R()
     quota[net.rep_R] = flow_R
-    load_D = base + rank_totals(net.shape.rank_R, flow_R, D)
+    load_D = base + rank_totals(net.shape.rank_R, flow_R, D)[0]
     return _result(quota, load_D, t_int, T, flows)
 
 
