@@ -136,6 +136,32 @@ CASES = [
     ("bench local meta device", ["bench", "local", "--quick", "--out", "{tmp}/l.json", "--device", "meta"], "--device"),
     ("soak nothing", ["soak", "--planner-calls", "0", "--steps", "0"], "nothing"),
     ("demo planners with training flags", ["demo", "--planners", "--steps", "3", "--ranks", "2"], "--steps, --ranks"),
+    # found by a newcomer's sweep of every command (2026-11-27)
+    ("extra argument blames the subcommand", PLAN + ["extra"], "plan: error: unrecognized arguments: extra (see "
+                                                                "megatron-rails plan --help)"),
+    ("out a pipe nobody reads", ["config", "docs", "--out", "{tmp}/pipe"], "a pipe nobody reads"),
+    ("counts a pipe", PLAN + ["--counts", "{tmp}/pipe"], "not a regular file"),
+    ("trace a pipe", ["simulate", "run", MINI, "--trace", "{tmp}/pipe"], "not a regular file"),
+    ("counts a text file called .npy", PLAN + ["--counts", "{tmp}/text.npy"], "not a .npy file (no NumPy header)"),
+    ("trace a text file called .npz", ["simulate", "run", MINI, "--trace", "{tmp}/text.npz"], "not a .npz archive"),
+    ("trace all zero", ["simulate", "run", MINI, "--trace", "{tmp}/z48.npy"], "every count is 0"),
+    ("run 0 slots with eplb among --policies", ["simulate", "run", MINI, "balancer=none", "--steps", "1"],
+     "policy eplb cannot run with the config's 0 redundant slot(s)"),
+    ("a2a planned traffic on 0 slots", ["simulate", "a2a", "--nodes", "2", "--traffic", "plan:eplb", "--slots", "0"],
+     "needs slots >= 1 (--slots)"),
+    ("a2a dedup planned traffic on 0 slots", ["simulate", "a2a", "--nodes", "2", "--traffic", "plan:ultraep",
+                                              "--slots", "0", "--dedup", "on"], "needs slots >= 1 (--slots)"),
+    ("bench option another benchmark takes", ["bench", "planners", "--out", "{tmp}/b.json", "--device", "cuda"],
+     "bench planners does not take --device"),
+    ("bench plot of one that plots none", ["bench", "dispatcher", "--out", "{tmp}/b.json", "--plot", "{tmp}/b.png"],
+     "bench dispatcher does not take --plot"),
+    ("bench figure over its results", ["bench", "rails", "--out", "{tmp}/r.png"], "the figure would overwrite"),
+    ("demo config a run config", ["demo", "--config", MINI], "this is a run config; a policy config is needed"),
+    ("policy file without its policy", ["config", "show", "{tmp}/slots_only.yaml"],
+     "'slots' is a policy key, and a policy file names its policy"),
+    ("topology override a directory", ["simulate", "run", MINI, "topology={tmp}"], "is a directory"),
+    ("config show get and megatron-args", ["config", "show", MINI, "--get", "model", "--megatron-args"],
+     "give one of them"),
 ]
 
 FILES = {  # name: YAML text, or a counts array
@@ -154,6 +180,10 @@ FILES = {  # name: YAML text, or a counts array
     "cut.npz": b"PK\x03\x04" + bytes(20),
     "deep.json": "[" * 100_000 + "]" * 100_000,
     "wide.npy": np.ones((5000, 2)),
+    "text.npy": "hello\n",
+    "text.npz": "hello\n",
+    "z48.npy": np.zeros((4, 8)),
+    "slots_only.yaml": "slots: 2\n",
 }
 
 
@@ -167,6 +197,7 @@ def tmp(tmp_path_factory) -> Path:
             (d / name).write_bytes(content)
         else:
             np.save(d / name, content.astype(np.int64))
+    os.mkfifo(d / "pipe")  # nothing ever reads or writes it: opening it for either would block
     return d
 
 
@@ -187,6 +218,24 @@ def test_bad_input_is_one_line_exit_2(argv, word, tmp, capsys):
     assert "Traceback" not in out + err
     assert len(lines) == 1 and lines[0].startswith("megatron-rails"), err
     assert ": error: " in lines[0] and word in lines[0], err
+
+
+def test_checking_an_output_path_leaves_a_link_alone(tmp, capsys):
+    """--out a link to a file not there yet: the path check neither makes the target nor removes the
+    link, even when another argument then fails."""
+    link = tmp / "link.json"
+    link.symlink_to(tmp / "target.json")
+    rc, _, err = run_cli(["soak", "--out", str(link), "--ranks", "3"], capsys)
+    assert rc == 2 and "--ranks" in err
+    assert link.is_symlink() and not (tmp / "target.json").exists()
+
+
+def test_overrides_after_an_option_are_overrides(tmp, capsys):
+    rc, out, err = run_cli(["simulate", "run", MINI, "--steps", "1", "--quiet", "--json", "model.num_layers=3"], capsys)
+    assert rc == 0, err
+    import json
+
+    assert json.loads(out)["setup"]["layers"] == 3
 
 
 def test_topology_reports_every_error(tmp, capsys):

@@ -148,3 +148,25 @@ def test_soak_lines_fit_80_columns():
     assert p.returncode == 0, p.stderr
     assert "planner soak: 20 calls" in p.stderr
     assert max(map(len, p.stderr.splitlines())) <= 80, p.stderr
+
+
+def test_config_lines_fit_80_columns():
+    """config validate's OK line and config show's header and description wrap at 80 columns, even
+    for an absolute path and the longest shipped descriptions."""
+    for rel in ("configs/mixtral/mixtral-8x7b.yaml", "configs/deepseek/deepseek-v3.yaml"):
+        path = str(ROOT / rel)
+        out = run80("config", "validate", path).stdout
+        assert out.startswith(f"OK {path} (run: ") and max(map(len, out.splitlines())) <= 80, out
+        assert " ".join(out.split()).endswith("balancer fsep)"), out  # wrapped, nothing cut
+        shown = run80("config", "show", path, "balancer.policy=ultraep").stdout
+        assert max(map(len, shown.splitlines())) <= 80, shown
+        assert shown.startswith(f"# {path} (run config, validated, with"), shown
+
+
+def test_demo_planners_headers_are_whole():
+    """demo --planners: every header whole (on two or three lines), the tables within 80 columns."""
+    out = run80("demo", "--planners").stdout
+    assert max(map(len, out.splitlines())) <= 80 and "…" not in out, out
+    head = [ln for ln in out.splitlines() if ln.startswith("┃")][:4]  # the first table's header rows
+    words = " ".join(" ".join(c.split()) for ln in head for c in ln.split("┃"))
+    assert all(w in words for w in ("max/mean", "before", "after", "bound", "cross-", "node", "tokens", "p99 us")), head

@@ -171,7 +171,6 @@ def test_table_and_progress(capsys):
     ([X7, "--policies", ""], "at least one policy"),
     ([X7, "--skew", "zipf:x"], "bad skew"),
     ([X7, "--trace", "/nonexistent/trace.npz"], "does not exist"),
-    ([X7, "--mfu", "1.5"], "--mfu"),
     ([X7, "model.num_layerz=3"], "unknown key"),
 ])
 def test_bad_arguments_exit_nonzero_with_a_clear_message(capsys, argv, msg):
@@ -180,11 +179,12 @@ def test_bad_arguments_exit_nonzero_with_a_clear_message(capsys, argv, msg):
 
 
 def test_argparse_errors(capsys):
-    for argv in (["--steps", "0"], ["--overlap", "always"]):
+    for argv in (["--steps", "0"], ["--overlap", "always"], ["--mfu", "1.5"]):
         with pytest.raises(SystemExit) as e:
             cli.main(["simulate", "run", X7, *argv])
         assert e.value.code == 2
-    assert "--steps must be >= 1" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "--steps must be >= 1" in err and "--mfu must be a finite number >= 0.001 and <= 1, got 1.5" in err
     with pytest.raises(SystemExit) as e:
         cli.main(["trace", "--out", "x.npz", "--policy", "bogus"])
     assert e.value.code == 2

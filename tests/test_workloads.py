@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import os
 
 import numpy as np
 import pytest
@@ -322,9 +323,21 @@ def test_load_npy_errors(tmp_path):
     np.save(tmp_path / "n.npy", np.array([[[[1, 2]]], [[[0, -1]]]]))
     with pytest.raises(WorkloadError, match=r"n\.npy: step 1, layer 0, counts_DE\[0, 1\] = -1 is negative"):
         load_counts(tmp_path / "n.npy")
-    (tmp_path / "junk.npy").write_bytes(b"not numpy")
-    with pytest.raises(WorkloadError, match=r"junk\.npy: not a readable \.npy"):
+    (tmp_path / "junk.npy").write_bytes(b"not numpy")  # numpy alone would call it a pickle to load unsafely
+    with pytest.raises(WorkloadError, match=r"junk\.npy: not a \.npy file \(no NumPy header\)"):
         load_counts(tmp_path / "junk.npy")
+    np.save(tmp_path / "obj.npy", np.array([[1, None]], dtype=object), allow_pickle=True)
+    with pytest.raises(WorkloadError, match=r"obj\.npy: not a readable \.npy array \(it holds Python objects"):
+        load_counts(tmp_path / "obj.npy")
+    os.mkfifo(tmp_path / "pipe.npy")
+    with pytest.raises(WorkloadError, match=r"pipe\.npy: not a regular file"):
+        load_counts(tmp_path / "pipe.npy")
+    (tmp_path / "big.json").write_text("[[1, 2], [3, 99999999999999999999999]]")
+    with pytest.raises(WorkloadError, match=r"big\.json: counts exceed int64"):
+        load_counts(tmp_path / "big.json")
+    (tmp_path / "half.json").write_text("[[1.5, 2]]")
+    with pytest.raises(WorkloadError, match=r"half\.json: counts\[0, 0\] = 1\.5 is not an integer"):
+        load_counts(tmp_path / "half.json")
     with pytest.raises(FileNotFoundError, match=r"missing\.npy"):
         load_counts(tmp_path / "missing.npy")
 
@@ -356,7 +369,7 @@ def test_file_skew_replays(tmp_path):
     assert counts(spec2)[0, 0] == 0
     with pytest.raises(WorkloadError, match=r"t4\.npy: file has 2 layers"):
         counts(WorkloadSpec(4, 5, 2, 10, f"file:{tmp_path / 't4.npy'}", num_layers=3))
-    with pytest.raises(WorkloadError, match=r"t2\.json: counts are \[D=4, E=5\], the spec wants D=8"):
+    with pytest.raises(WorkloadError, match=r"t2\.json: counts are \[D=4, E=5\], but the workload has 8 ranks"):
         counts(WorkloadSpec(8, 5, 2, 10, f"file:{tmp_path / 't2.json'}"))
     with pytest.raises(FileNotFoundError, match="nope.npy"):
         counts(WorkloadSpec(4, 5, 2, 10, f"file:{tmp_path / 'nope.npy'}"))

@@ -4,7 +4,9 @@ allowed range. Bad input never reaches the code behind a command as a value it c
 from __future__ import annotations
 
 import argparse
+import errno
 import math
+import os
 import re
 from pathlib import Path
 
@@ -128,7 +130,25 @@ def out_file(name: str):
 
 def _probe_writable(name: str, p: Path) -> None:
     """Open p for writing without changing it (append; a file made here is removed again): what the
-    directory's permission bits cannot tell (a read-only mount, /proc, root's view of them)."""
+    directory's permission bits cannot tell (a read-only mount, /proc, root's view of them). A pipe
+    or device (/dev/stdout) is opened without blocking, so that a pipe nobody reads is an error now
+    rather than a hang; a link to a file not there yet is left alone (the probe would make the file
+    and then remove the link): its target's directory is checked instead."""
+    if p.is_symlink() and not p.exists():
+        target = Path(os.path.realpath(p))
+        if not target.parent.is_dir():
+            raise argparse.ArgumentTypeError(f"{name} {str(p)!r} links to {str(target)!r}, whose directory "
+                                             "does not exist")
+        if not os.access(target.parent, os.W_OK):
+            raise argparse.ArgumentTypeError(f"{name} {str(p)!r} links to {str(target)!r}: cannot write there")
+        return
+    if p.exists() and not p.is_file():
+        try:
+            os.close(os.open(p, os.O_WRONLY | os.O_APPEND | os.O_NONBLOCK))
+        except OSError as err:
+            why = "a pipe nobody reads" if err.errno == errno.ENXIO else err.strerror
+            raise argparse.ArgumentTypeError(f"{name} {str(p)!r}: cannot write there ({why})") from None
+        return
     existed = p.exists()
     try:
         with open(p, "a"):

@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import dataclasses
 import shlex
+import textwrap
 import sys
 
 from .args import out_file
+
+WIDTH = 80  # the widest line normal output prints
 
 
 def preset_list() -> str:
@@ -81,7 +84,8 @@ def cmd_validate(args) -> int:
             for line in getattr(err, "errors", None) or str(err).splitlines():
                 print(f"error: {line}", file=sys.stderr)
             continue
-        print(f"OK {path} ({_summary(obj)})")
+        print(textwrap.fill(f"OK {path} ({_summary(obj)})", WIDTH, subsequent_indent="  ",
+                            break_long_words=False, break_on_hyphens=False))
     if failed:
         print(f"{failed} of {len(args.files)} file(s) invalid", file=sys.stderr)
     return 1 if failed else 0
@@ -103,6 +107,10 @@ def cmd_show(args) -> int:
 
     from ..config.run import load_any
 
+    if args.megatron_args and args.get:
+        from ..core.policy import ConfigError
+
+        raise ConfigError("--get and --megatron-args print different things: give one of them")
     obj = load_any(resolve_file(args.file), args.overrides)
     data = _as_dict(obj)
     if args.megatron_args:
@@ -118,8 +126,11 @@ def cmd_show(args) -> int:
             print(yaml.safe_dump(v, sort_keys=False).strip() if isinstance(v, (dict, list)) else
                   ("null" if v is None else str(v).lower() if isinstance(v, bool) else v))
         return 0
-    print(f"# {args.file} ({_kind(obj)} config, validated{', with ' + ' '.join(args.overrides) if args.overrides else ''})")
-    print(yaml.safe_dump(data, sort_keys=False, default_flow_style=False), end="")
+    head = f"{args.file} ({_kind(obj)} config, validated{', with ' + ' '.join(args.overrides) if args.overrides else ''})"
+    print(textwrap.fill(head, WIDTH, initial_indent="# ", subsequent_indent="#   ", break_long_words=False,
+                        break_on_hyphens=False))
+    # yaml breaks long strings at the first space past `width`: leave room for the indent and the word
+    print(yaml.safe_dump(data, sort_keys=False, default_flow_style=False, width=WIDTH - 20), end="")
     return 0
 
 

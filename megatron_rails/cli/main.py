@@ -72,9 +72,12 @@ def _counts_file(args):
     from ..core.policy import MAX_EXPERTS
     from ..demo.trace import load_trace
 
-    if Path(args.counts).is_dir():
+    p = Path(args.counts)
+    if p.is_dir():
         raise InputError(f"--counts {args.counts}: is a directory, not a counts file")
-    if not Path(args.counts).is_file():
+    if p.exists() and not p.is_file():
+        raise InputError(f"--counts {args.counts}: not a regular file (a pipe or a device)")
+    if not p.is_file():
         raise InputError(f"--counts {args.counts}: file not found")
     c = load_trace(args.counts)[0][0, 0]  # every counts format and the trace .npz, as [steps, layers, D, E]
     for flag, n, most in (("ranks", c.shape[0], MAX_RANKS), ("experts", c.shape[1], MAX_EXPERTS)):
@@ -130,9 +133,34 @@ def cmd_plan(args) -> int:
     return 0
 
 
+# the options each benchmark takes beyond --out and --quick (an option it would ignore is refused)
+BENCH_OPTIONS = {"planners": ("plot",), "dispatcher": (), "rails": ("plot",),
+                 "local": ("device", "shape", "dtype", "rounds"), "step": ("plot", "ranks", "microbatches", "rounds")}
+
+
+def _bench_args(args) -> None:
+    """Refuse options the chosen benchmark does not take, and a figure that would overwrite --out;
+    fill in the defaults of those it takes."""
+    ignored = [f"--{k}" for k in ("plot", "device", "shape", "dtype", "ranks", "microbatches", "rounds")
+               if getattr(args, k) is not None and k not in BENCH_OPTIONS[args.what]]
+    if ignored:
+        takes = ", ".join(f"--{k}" for k in BENCH_OPTIONS[args.what]) or "no options but --out and --quick"
+        raise InputError(f"bench {args.what} does not take {', '.join(ignored)} (it takes {takes})")
+    if "plot" in BENCH_OPTIONS[args.what]:
+        png = args.plot or os.path.splitext(args.out)[0] + ".png"
+        if os.path.abspath(png) == os.path.abspath(args.out):
+            raise InputError(f"--out {args.out}: the figure would overwrite the results; give --out a .json "
+                             "name, or --plot another file")
+    for k, default in (("device", "cpu"), ("shape", "mixtral-8x7b"), ("dtype", "bfloat16"), ("ranks", 2),
+                       ("microbatches", 8)):
+        if getattr(args, k) is None:
+            setattr(args, k, default)
+
+
 def cmd_bench(args) -> int:
     from ..bench import planners as benchmarks
 
+    _bench_args(args)
     if args.what == "planners":
         benchmarks.bench_planners(args.out, quick=args.quick, plot=args.plot)
         return 0
@@ -229,15 +257,16 @@ def _add_bench(sub) -> None:
     b = sub.add_parser("bench", help="benchmarks; results as JSON (+ PNG)")
     b.add_argument("what", choices=["planners", "dispatcher", "rails", "local", "step"], help="which benchmark")
     b.add_argument("--out", required=True, type=out_file("--out"), help="JSON output file")
-    b.add_argument("--plot", type=plot_file("--plot"), help="PNG output (default: next to --out)")
+    b.add_argument("--plot", type=plot_file("--plot"),
+                   help="planners, rails, step: the figure (default: --out's name with .png)")
     b.add_argument("--quick", action="store_true", help="a small grid for smoke runs")
-    b.add_argument("--device", default="cpu", help="local: torch device of the timed work (cpu, cuda, cuda:N)")
-    b.add_argument("--shape", default="mixtral-8x7b", choices=BENCH_SHAPES, help="local: the layer shape")
-    b.add_argument("--dtype", default="bfloat16", choices=BENCH_DTYPES, help="local: dtype of the hidden states")
-    b.add_argument("--ranks", type=int_range("--ranks", 1, MAX_RANKS), default=2,
-                   help="step: gloo ranks, one core each (at most the cores)")
-    b.add_argument("--microbatches", type=int_range("--microbatches", 1, 1024), default=8,
-                   help="step: microbatches per optimizer step")
+    b.add_argument("--device", help="local: torch device of the timed work (cpu, cuda, cuda:N; default: cpu)")
+    b.add_argument("--shape", choices=BENCH_SHAPES, help="local: the layer shape (default: mixtral-8x7b)")
+    b.add_argument("--dtype", choices=BENCH_DTYPES, help="local: dtype of the hidden states (default: bfloat16)")
+    b.add_argument("--ranks", type=int_range("--ranks", 1, MAX_RANKS),
+                   help="step: gloo ranks, one core each (at most the cores; default: 2)")
+    b.add_argument("--microbatches", type=int_range("--microbatches", 1, 1024),
+                   help="step: microbatches per optimizer step (default: 8)")
     b.add_argument("--rounds", type=int_range("--rounds", 1, 1000), default=None,
                    help="step: timed rounds (default 6, 1 with --quick); local: rounds per case (default "
                         "200, 5 with --quick); more rounds, tighter medians")
@@ -319,12 +348,21 @@ def main(argv=None) -> int:
     # which of its config fields are deprecated: noise beside these tools' own CPU models
     warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron(\.core|_fsdp)")
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
     prog = getattr(args, "command_prog", parser.prog)
+    if extra:
+        if isinstance(getattr(args, "overrides", None), list) and all("=" in a and not a.startswith("-") for a in extra):
+            args.overrides += extra  # KEY=VALUE overrides after an option, which argparse leaves over
+        else:  # the subcommand's own name and --help, not the top level's
+            print(f"{prog}: error: unrecognized arguments: {' '.join(extra)} (see {prog} --help)", file=sys.stderr)
+            return 2
     try:
         return args.func(args)
     except USER_ERRORS as err:
         report(prog, err)
+        return 2
+    except MemoryError as err:  # sizes within every flag's bounds can still outgrow this machine together
+        report(prog, InputError(f"out of memory ({str(err) or 'an allocation failed'}); try smaller sizes"))
         return 2
     except BrokenPipeError:
         # the reader left (`... | head`): stop quietly; what is still buffered goes nowhere, so that

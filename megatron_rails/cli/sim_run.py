@@ -4,10 +4,10 @@ from __future__ import annotations
 import json
 import sys
 
-from .args import int_range, plot_file
+from .args import float_range, int_range, plot_file
 from .config import override_help
 from ..core.policy import MAX_SLOTS
-from ..sim.model import A2A_MODELS, OVERLAPS, WEIGHT_SYNCS
+from ..sim.model import A2A_MODELS, MIN_MFU, OVERLAPS, WEIGHT_SYNCS
 
 
 MAX_STEPS = 10000  # each step plans every layer with every policy and keeps its figures
@@ -41,7 +41,8 @@ def register_run(subparsers) -> None:
     p.add_argument("--seed", type=int_range("--seed", 0, 2**32 - 1), default=0, help="workload seed")
     p.add_argument("--slots", type=int_range("--slots", 0, MAX_SLOTS),
                    help="redundant slots per rank for every policy (default: the config's balancer)")
-    p.add_argument("--mfu", type=float, default=0.5, help="GEMM efficiency: achieved / peak gpu_tflops, in [0.001, 1]")
+    p.add_argument("--mfu", type=float_range("--mfu", MIN_MFU, 1.0), default=0.5,
+                   help=f"GEMM efficiency: achieved / peak gpu_tflops, in [{MIN_MFU:g}, 1]")
     p.add_argument("--overlap", choices=OVERLAPS, default="none",
                    help="none: everything in sequence; weights: weight movement hidden behind dense compute")
     p.add_argument("--weight-sync", choices=WEIGHT_SYNCS, default="iteration",
@@ -64,12 +65,13 @@ def register_run(subparsers) -> None:
 def run(args) -> dict:
     from ..config.run import load_run_config
     from ..sim.model import Setup, SimOptions
-    from ..sim.run import Workload, check_names, simulate_run
+    from ..sim.run import Workload, check_names, planners_for, simulate_run
 
     policies, comms = check_names(args.policies, args.comm)  # fail before loading anything
     SimOptions(mfu=args.mfu, overlap=args.overlap, a2a_model=args.a2a_model, weight_sync=args.weight_sync)
     rc = load_run_config(args.config, [*args.overrides, *args.set])
     setup = Setup.from_run_config(rc, args.slots)
+    planners_for(setup, policies)  # each policy can run on the config's slots: said before any output
     dedup = args.dedup == "on" if args.dedup else bool(getattr(setup.policy, "dedup", True))
     opts = SimOptions(mfu=args.mfu, overlap=args.overlap, a2a_model=args.a2a_model, weight_sync=args.weight_sync,
                       dedup=dedup)

@@ -262,8 +262,15 @@ def kind_of(path, data: dict) -> str:
     kind = _kind_by_keys(data)
     if kind:
         return kind
-    # name the key the user most likely misspelled (`polcy:` -> 'policy') rather than only the rule
-    hints = [f"unknown key '{k}'{h}" for k in data if (h := suggest(k, _top_keys())).startswith("; did you mean")]
+    # name the key the user most likely misspelled (`polcy:` -> 'policy') rather than only the rule, or
+    # the key a file of this kind also needs where its other keys are right (a policy file of `slots: 2`)
+    known = set(_top_keys())
+    hints = [f"unknown key '{k}'{h}" for k in data
+             if k not in known and (h := suggest(k, _top_keys())).startswith("; did you mean")]
+    needs = {"balancer": "a policy file names its policy (policy: fsep)",
+             "topology": "a topology file gives gpus_per_node"}
+    hints += [f"'{k}' is a {'policy' if section == 'balancer' else section} key, and {needs[section]}"
+              for k in data for section, cls in NESTED.items() if k in {f.name for f in dataclasses.fields(cls)}]
     raise ConfigError(f"{path}: cannot tell the kind of config: " + (hints[0] + " (" + KIND_HINT + ")" if hints
                                                                       else KIND_HINT))
 
@@ -305,6 +312,9 @@ def load_run_config(path, overrides=()) -> RunConfig:
         found = resolve_ref(ref, base, POLICY_DIR if key == "balancer" else TOPOLOGY_DIR, REPO_DIR)
         if found is None:
             kind, pdir = ("policy", POLICY_DIR) if key == "balancer" else ("topology", TOPOLOGY_DIR)
+            if Path(ref).is_dir():
+                raise ConfigError(f"{where}: {key}: {ref!r} is a directory; give a {kind} file or a preset name "
+                                  f"({', '.join(presets.names(pdir))})")
             raise ConfigError(f"{where}: {key}: {kind} file {ref!r} not found (a preset name: "
                               f"{', '.join(presets.names(pdir))}; or a path relative to the working "
                               f"directory, {base}" + (f" or {REPO_DIR})" if REPO_DIR else ")"))

@@ -140,6 +140,11 @@ class PolicyConfig:
         from .yamlfile import read_mapping
 
         data = read_mapping(path, ConfigError, "policy config", "a policy config needs at least 'policy: NAME'")
+        kind = "run" if set(data) & {"model", "parallelism", "training"} else \
+            "topology" if "gpus_per_node" in data and "policy" not in data else None
+        if kind:  # one line instead of every key it does not know
+            raise ConfigError(f"{Path(path)}: this is a {kind} config; a policy config is needed here (a run "
+                              f"config's balancer: section is one; e.g. configs/policies/default.yaml)")
         return cls.from_dict(data, str(Path(path)))
 
     @property

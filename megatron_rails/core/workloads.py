@@ -359,7 +359,7 @@ def _validate(arr, where: str) -> np.ndarray:
         ok = np.isfinite(a) & (a == np.round(a))
         if not ok.all():
             at = tuple(int(i) for i in np.argwhere(~ok)[0])
-            raise WorkloadError(f"{where}: counts{list(at)} = {a[at]!r} is not an integer")
+            raise WorkloadError(f"{where}: counts{list(at)} = {a[at].item()!r} is not an integer")
     elif a.dtype.kind not in "iu":
         raise WorkloadError(f"{where}: counts must hold integers, got dtype {a.dtype}")
     if a.dtype.kind in "fu" and a.max() > np.iinfo(np.int64).max:
@@ -395,6 +395,25 @@ def validate_counts(arr, where: str) -> np.ndarray:
     return _validate(arr, where)
 
 
+NPY_MAGIC, NPZ_MAGIC = b"\x93NUMPY", b"PK\x03\x04"  # how .npy files and .npz (zip) archives begin
+
+
+def has_magic(p: Path, magic: bytes) -> bool:
+    """Whether file p begins with `magic`."""
+    with open(p, "rb") as f:
+        return f.read(len(magic)) == magic
+
+
+def check_regular_file(p: Path, what: str) -> None:
+    """A path given as a `what` file names a regular file: else one line saying what it is instead."""
+    if p.is_dir():
+        raise WorkloadError(f"{p}: is a directory, not a {what} file")
+    if p.exists() and not p.is_file():
+        raise WorkloadError(f"{p}: not a regular file (a pipe or a device); give a {what} file")
+    if not p.is_file():
+        raise FileNotFoundError(f"{what} file {str(p)!r} does not exist")
+
+
 def _suffix(p: Path) -> str:
     if p.suffix.lower() not in (".npy", ".json"):
         raise WorkloadError(f"{p}: unsupported extension {p.suffix!r}; use .npy or .json")
@@ -409,15 +428,15 @@ def load_counts(path: str | os.PathLike) -> np.ndarray:
     FileNotFoundError.
     """
     p = Path(path)
-    if p.is_dir():
-        raise WorkloadError(f"{p}: is a directory, not a counts file")
-    if not p.is_file():
-        raise FileNotFoundError(f"counts file {str(p)!r} does not exist")
+    check_regular_file(p, "counts")
     if _suffix(p) == ".npy":
+        if not has_magic(p, NPY_MAGIC):  # else numpy takes it for a pickle and suggests loading it unsafely
+            raise WorkloadError(f"{p}: not a .npy file (no NumPy header); save counts with numpy.save or as .json")
         try:
             data = np.load(p, allow_pickle=False)
         except (ValueError, OSError, EOFError) as err:  # EOFError: an empty or cut-off file
-            raise WorkloadError(f"{p}: not a readable .npy array ({err})") from None
+            why = "it holds Python objects, not numbers" if "pickle" in str(err) else str(err)
+            raise WorkloadError(f"{p}: not a readable .npy array ({why})") from None
     else:
         try:
             data = json.loads(p.read_text())
@@ -432,8 +451,12 @@ def load_counts(path: str | os.PathLike) -> np.ndarray:
             raise WorkloadError(f"{p}: expected a JSON list of lists or {{\"counts\": [...]}}")
         try:
             data = np.array(data)
-        except (ValueError, OverflowError):  # ragged, or integers beyond int64
+        except OverflowError:  # integers beyond int64 (numpy refuses them in an int array)
+            raise WorkloadError(f"{p}: counts exceed int64") from None
+        except ValueError:  # ragged
             data = None
+        if data is not None and data.dtype == object and all(type(v) is int for v in data.ravel()):
+            raise WorkloadError(f"{p}: counts exceed int64")  # numpy keeps such integers as Python objects
         if data is None or data.dtype in (bool, object):
             raise WorkloadError(f"{p}: counts must be a rectangular array of integers")
     return _validate(data, str(p))
@@ -461,15 +484,17 @@ def _load_cached(path: str, mtime_ns: int, size: int) -> np.ndarray:
 
 def _file_counts(spec: WorkloadSpec, step: int, layer: int) -> np.ndarray:
     path = spec.parsed_skew.path
-    if os.path.isdir(path):
-        raise WorkloadError(f"{path}: is a directory, not a counts file (skew {spec.skew!r})")
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"counts file {path!r} (skew {spec.skew!r}) does not exist")
+    try:
+        check_regular_file(Path(path), "counts")
+    except WorkloadError as err:
+        raise WorkloadError(f"{err} (skew {spec.skew!r})") from None
+    except FileNotFoundError as err:
+        raise FileNotFoundError(f"{err} (skew {spec.skew!r})") from None
     st = os.stat(path)
     arr = _load_cached(os.path.abspath(path), st.st_mtime_ns, st.st_size)  # reloads when the file changes
     if arr.shape[-2:] != (spec.num_ranks, spec.num_experts):
-        raise WorkloadError(f"{path}: counts are [D={arr.shape[-2]}, E={arr.shape[-1]}], the spec wants "
-                            f"D={spec.num_ranks}, E={spec.num_experts}")
+        raise WorkloadError(f"{path}: counts are [D={arr.shape[-2]}, E={arr.shape[-1]}], but the workload has "
+                            f"{spec.num_ranks} ranks and {spec.num_experts} experts")
     if arr.ndim == 4 and arr.shape[1] < spec.num_layers:
         raise WorkloadError(f"{path}: file has {arr.shape[1]} layers, the spec has num_layers={spec.num_layers}")
     sl = arr if arr.ndim == 2 else arr[step % arr.shape[0]] if arr.ndim == 3 else arr[step % arr.shape[0], layer]

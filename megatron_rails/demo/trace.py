@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from ..core.errors import ChildFailed, InputError
+from ..core.workloads import NPZ_MAGIC, WorkloadError, check_regular_file, has_magic
 
 FORMAT, VERSION = "megatron-rails-trace", 1
 
@@ -127,10 +128,10 @@ def save_trace(path, counts_IYDE, meta: dict | None = None) -> Path:
 def load_trace(path) -> tuple[np.ndarray, dict]:
     """(int64 counts [I, Y, D, E], metadata dict) from .npz, or .npy/.json counts (2-D, 3-D or 4-D)."""
     p = Path(path)
-    if p.is_dir():
-        raise TraceError(f"{p}: is a directory, not a trace file")
-    if not p.is_file():
-        raise FileNotFoundError(f"trace file {str(p)!r} does not exist")
+    try:
+        check_regular_file(p, "trace")
+    except WorkloadError as err:
+        raise TraceError(str(err)) from None
     if p.suffix.lower() != ".npz":
         from ..core.workloads import load_counts
 
@@ -138,6 +139,8 @@ def load_trace(path) -> tuple[np.ndarray, dict]:
         while c.ndim < 4:  # [D, E] -> one step; [I, D, E] -> every layer alike (as workloads replays it)
             c = c[None] if c.ndim == 2 else c[:, None]
         return c, {"source": str(p)}
+    if not has_magic(p, NPZ_MAGIC):  # else numpy takes it for a pickle and suggests loading it unsafely
+        raise TraceError(f"{p}: not a .npz archive; record one with `megatron-rails trace`")
     try:
         with np.load(p, allow_pickle=False) as z:
             if "counts" not in z.files:

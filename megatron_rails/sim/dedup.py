@@ -36,7 +36,7 @@ import numpy as np
 
 from ..core.topology import Topology
 from .rails import SCHEMES, _us, build_schedule, lower_bound_us, resource_loads, simulate_schedule
-from .traffic import TrafficError, check_ints, family, parse_traffic
+from .traffic import TrafficError, check_ints, check_policy_slots, family, parse_traffic
 
 MAX_PAIRS = 1 << 26      # token-expert pairs of one token-level sample (2048 ranks x 4096 tokens x top-8)
 MIN_WEIGHT = 1e-12       # the topk-th largest routing weight must reach this (relative to the sum)
@@ -274,6 +274,7 @@ def token_traffic(text: str, num_ranks: int, ranks_per_node: int = 8, *, tokens_
                            f"{fam.topk} exceeds {MAX_PAIRS} pairs (lower --tokens-per-rank)")
     from ..core.planners import PlannerConfig, make_planner
 
+    check_policy_slots(text, policy, slots)
     planner = make_planner(policy, PlannerConfig(D, fam.experts, G, int(slots)))  # its config errors before sampling
     p_E, hot, frac = routing_weights(skew, fam.experts, fam.topk, int(seed))
     picks = sample_routing(p_E, D, T, fam.topk, int(seed), hot, frac)

@@ -60,7 +60,8 @@ def dedup_note(result: dict) -> str:
         name = "ideal" if r["policy"] == "force-balanced" else r["policy"]
         seen.setdefault(name, (r["internode_bytes_per_layer"], r["internode_bytes_dedup_per_layer"]))
     top = max((a for a, _ in seen.values()), default=0.0)
-    scale, unit, digits = (1e9, "GB", 1) if top >= 10e9 else (1e6, "MB", 0)
+    # three significant digits or so at any size (a tiny run's MB would print "0 -> 0")
+    scale, unit, digits = (1e9, "GB", 1) if top >= 10e9 else (1e6, "MB", 0) if top >= 10e6 else (1e3, "kB", 1)
     parts = [f"{name} {a / scale:.{digits}f} -> {b / scale:.{digits}f} ({100 * (b / a - 1):+.0f}%)" if a
              else f"{name} 0" for name, (a, b) in seen.items()]
     head = ("dedup on (priced): a token crosses to a remote node once, then fans out over NVLink"

@@ -72,6 +72,8 @@ class Workload:
                                f"parallelism.expert_model_parallel_size={t.shape[2]} and "
                                f"model.num_experts={t.shape[3]} "
                                f"(KEY=VALUE overrides after the config)")
+            if not t.any():  # every figure would compare idle ranks
+                raise SimError(f"trace {self.trace_path}: every count is 0; there are no tokens to simulate")
             return
         from ..core.workloads import WorkloadError, WorkloadSpec
 
@@ -115,14 +117,20 @@ def check_names(policies, comms) -> tuple[list[str], list[str]]:
     return list(dict.fromkeys(pols)), list(dict.fromkeys(cms))
 
 
-def _planners(setup: Setup, policies):
+def planners_for(setup: Setup, policies):
     import dataclasses
 
     from ..core.planners import PlannerError, make_planner
+    from ..core.policy import ConfigError
 
     out = {}
     for pol in policies:
-        pc = dataclasses.replace(setup.policy, policy=pol)
+        try:
+            pc = dataclasses.replace(setup.policy, policy=pol)
+        except ConfigError as err:  # the config's slots do not suit this policy
+            raise SimError(f"policy {pol} cannot run with the config's {setup.policy.slots} redundant slot(s) "
+                           f"({str(err).partition(': ')[2].split(' (')[0]}): give --slots, or leave {pol} out "
+                           f"of --policies") from None
         try:
             out[pol] = make_planner(pol, pc.planner_config(setup.ep, setup.experts))
         except PlannerError as err:
@@ -141,7 +149,7 @@ def simulate_run(setup: Setup, opts: SimOptions, policies, comms, steps: int, wo
         raise SimError(f"--steps must be >= 1, got {steps}")
     run_pols = list(dict.fromkeys([BASELINE[0], *policies]))
     run_comms = list(dict.fromkeys([BASELINE[1], *comms]))
-    planners = _planners(setup, run_pols)
+    planners = planners_for(setup, run_pols)
     states = {p: [planners[p].initial_state() for _ in range(setup.layers)] for p in run_pols}
     comm = CommModel(setup.ep_topo, opts.a2a_model, float(setup.policy.rails_tolerance))
     pp, Y = setup.pp, setup.layers

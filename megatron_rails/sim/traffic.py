@@ -168,6 +168,18 @@ def family(text: str, num_ranks: int, *, hidden: int | None = None, experts: int
     return Family(kind, canon, sk, pol, shape["experts"], shape["topk"], shape["hidden"])
 
 
+def check_policy_slots(text: str, policy: str, slots: int) -> None:
+    """A planned traffic's policy can run on `slots` redundant slots per rank (eplb, ultraep and lp
+    on an owner placement need one at least; with none they would silently plan stock's route)."""
+    from ..core.policy import ConfigError, PolicyConfig
+
+    try:
+        PolicyConfig(policy=policy, slots=int(slots))
+    except ConfigError as err:
+        raise TrafficError(f"traffic {text!r} with {int(slots)} slots: {str(err).partition(': ')[2].split(' (')[0]}"
+                           f" (--slots)") from None
+
+
 def make_traffic(text: str, num_ranks: int, ranks_per_node: int = 8, *, tokens_per_rank: int = 4096,
                  hidden: int | None = None, dtype_bytes: int = 2, experts: int | None = None,
                  topk: int | None = None, seed: int = 0, slots: int = 1) -> Traffic:
@@ -192,6 +204,7 @@ def make_traffic(text: str, num_ranks: int, ranks_per_node: int = 8, *, tokens_p
         spec = WorkloadSpec(D, E, top_k, int(tokens_per_rank), sk, int(seed))
     except WorkloadError as err:
         raise TrafficError(f"traffic {text!r}: {err}") from None
+    check_policy_slots(text, pol, slots)
     c = counts(spec)
     plan, _ = make_planner(pol, PlannerConfig(D, E, min(int(ranks_per_node), D), int(slots))).plan(c)
     return _traffic(canon, plan.send_DD, H, dtype_bytes, E, top_k, tokens_per_rank, sk, pol, seed)
