@@ -66,19 +66,11 @@ def _counts_from_args(args):
 
 
 def _counts_file(args):
-    """The first [D, E] matrix of --counts; --ranks / --experts, if given, must agree with it."""
-    from pathlib import Path
-
+    """The first [D, E] matrix of --counts (the loaders say what is wrong with a missing, directory,
+    pipe or malformed file); --ranks / --experts, if given, must agree with it."""
     from ..core.policy import MAX_EXPERTS
     from ..demo.trace import load_trace
 
-    p = Path(args.counts)
-    if p.is_dir():
-        raise InputError(f"--counts {args.counts}: is a directory, not a counts file")
-    if p.exists() and not p.is_file():
-        raise InputError(f"--counts {args.counts}: not a regular file (a pipe or a device)")
-    if not p.is_file():
-        raise InputError(f"--counts {args.counts}: file not found")
     c = load_trace(args.counts)[0][0, 0]  # every counts format and the trace .npz, as [steps, layers, D, E]
     for flag, n, most in (("ranks", c.shape[0], MAX_RANKS), ("experts", c.shape[1], MAX_EXPERTS)):
         if n > most:  # the bounds --ranks and --experts have

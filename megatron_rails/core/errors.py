@@ -6,6 +6,9 @@ traceback. Any other exception reaching the command is a bug and keeps its trace
 """
 
 
+from pathlib import Path
+
+
 class InputError(ValueError):
     """Bad input: an argument, a config or a data file. Its message names the argument (or file and
     key) and what is allowed."""
@@ -18,3 +21,17 @@ class PlanError(ValueError):
 class ChildFailed(RuntimeError):
     """A launched run (torchrun training, trace recording) exited non-zero; the message carries the
     tail of its output, which is what a user needs to see (not our traceback)."""
+
+
+def check_file(path, what: str, error=InputError, missing: Exception | None = None) -> None:
+    """`path` names a regular file to read as a `what` file; else one line saying what it is instead:
+    error("PATH: is a directory, ...") or error("PATH: not a regular file ..."; a pipe or device,
+    which reading would block on or drain), and, where nothing is there, `missing` (callers word it
+    and pick its type, FileNotFoundError for loaders) or error("PATH: WHAT file not found")."""
+    p = Path(path)
+    if p.is_dir():
+        raise error(f"{p}: is a directory, not a {what} file")
+    if p.exists() and not p.is_file():
+        raise error(f"{p}: not a regular file (a pipe or a device); give a {what} file")
+    if not p.is_file():
+        raise missing if missing is not None else error(f"{p}: {what} file not found")

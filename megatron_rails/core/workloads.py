@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import InputError
+from .errors import InputError, check_file
 from .plan import PlanError, check_counts
 
 SKEW_FORMS = "uniform | zipf:S | drift:S[:P] | bursty:S[:F[:R]] | one | file:PATH"
@@ -404,16 +404,6 @@ def has_magic(p: Path, magic: bytes) -> bool:
         return f.read(len(magic)) == magic
 
 
-def check_regular_file(p: Path, what: str) -> None:
-    """A path given as a `what` file names a regular file: else one line saying what it is instead."""
-    if p.is_dir():
-        raise WorkloadError(f"{p}: is a directory, not a {what} file")
-    if p.exists() and not p.is_file():
-        raise WorkloadError(f"{p}: not a regular file (a pipe or a device); give a {what} file")
-    if not p.is_file():
-        raise FileNotFoundError(f"{what} file {str(p)!r} does not exist")
-
-
 def _suffix(p: Path) -> str:
     if p.suffix.lower() not in (".npy", ".json"):
         raise WorkloadError(f"{p}: unsupported extension {p.suffix!r}; use .npy or .json")
@@ -428,7 +418,7 @@ def load_counts(path: str | os.PathLike) -> np.ndarray:
     FileNotFoundError.
     """
     p = Path(path)
-    check_regular_file(p, "counts")
+    check_file(p, "counts", WorkloadError, FileNotFoundError(f"counts file {str(p)!r} does not exist"))
     if _suffix(p) == ".npy":
         if not has_magic(p, NPY_MAGIC):  # else numpy takes it for a pickle and suggests loading it unsafely
             raise WorkloadError(f"{p}: not a .npy file (no NumPy header); save counts with numpy.save or as .json")
@@ -485,11 +475,10 @@ def _load_cached(path: str, mtime_ns: int, size: int) -> np.ndarray:
 def _file_counts(spec: WorkloadSpec, step: int, layer: int) -> np.ndarray:
     path = spec.parsed_skew.path
     try:
-        check_regular_file(Path(path), "counts")
+        check_file(path, "counts", WorkloadError,
+                   FileNotFoundError(f"counts file {path!r} (skew {spec.skew!r}) does not exist"))
     except WorkloadError as err:
         raise WorkloadError(f"{err} (skew {spec.skew!r})") from None
-    except FileNotFoundError as err:
-        raise FileNotFoundError(f"{err} (skew {spec.skew!r})") from None
     st = os.stat(path)
     arr = _load_cached(os.path.abspath(path), st.st_mtime_ns, st.st_size)  # reloads when the file changes
     if arr.shape[-2:] != (spec.num_ranks, spec.num_experts):

@@ -8,6 +8,8 @@ import functools
 from pathlib import Path
 from typing import Callable
 
+from .errors import check_file
+
 MAX_BYTES = 1 << 20  # configs are a few KB; beyond, a wrong file (a checkpoint, a log)
 
 
@@ -47,12 +49,7 @@ def read_mapping(path, error: Callable[[str], Exception], kind: str, empty_hint:
     if not str(path).strip():  # Path("") is ".", a directory: say what is wrong instead
         raise error(f"an empty path; give a {kind} file")
     p = Path(path)
-    if p.is_dir():
-        raise error(f"{p}: is a directory, not a {kind} file")
-    if p.exists() and not p.is_file():
-        raise error(f"{p}: not a regular file (a device or a pipe); give a {kind} file")
-    if not p.is_file():
-        raise error(f"{p}: {'file' if kind == 'YAML' else kind + ' file'} not found")
+    check_file(p, kind, error, error(f"{p}: file not found") if kind == "YAML" else None)
     size = p.stat().st_size
     if size > MAX_BYTES:
         raise error(f"{p}: {size} bytes; a {kind} file is a small YAML file (at most {MAX_BYTES} bytes)")

@@ -27,8 +27,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ..core.errors import ChildFailed, InputError
-from ..core.workloads import NPZ_MAGIC, WorkloadError, check_regular_file, has_magic
+from ..core.errors import ChildFailed, InputError, check_file
+from ..core.workloads import NPZ_MAGIC, has_magic
 
 FORMAT, VERSION = "megatron-rails-trace", 1
 
@@ -128,17 +128,14 @@ def save_trace(path, counts_IYDE, meta: dict | None = None) -> Path:
 def load_trace(path) -> tuple[np.ndarray, dict]:
     """(int64 counts [I, Y, D, E], metadata dict) from .npz, or .npy/.json counts (2-D, 3-D or 4-D)."""
     p = Path(path)
-    try:
-        check_regular_file(p, "trace")
-    except WorkloadError as err:
-        raise TraceError(str(err)) from None
-    if p.suffix.lower() != ".npz":
+    if p.suffix.lower() != ".npz":  # load_counts says what is wrong with the file, as a counts file
         from ..core.workloads import load_counts
 
         c = load_counts(p)
         while c.ndim < 4:  # [D, E] -> one step; [I, D, E] -> every layer alike (as workloads replays it)
             c = c[None] if c.ndim == 2 else c[:, None]
         return c, {"source": str(p)}
+    check_file(p, "trace", TraceError, FileNotFoundError(f"trace file {str(p)!r} does not exist"))
     if not has_magic(p, NPZ_MAGIC):  # else numpy takes it for a pickle and suggests loading it unsafely
         raise TraceError(f"{p}: not a .npz archive; record one with `megatron-rails trace`")
     try:
