@@ -71,6 +71,15 @@ def _summary(obj) -> str:
     return f"topology: {obj.gpus_per_node} GPUs x {obj.rails_per_node} rails per node"
 
 
+def _after(lead: str, text: str, indent: str) -> str:
+    """`lead` (a path: never broken, so the line can be searched for it whole), then `text`
+    wrapped at WIDTH columns, its further lines indented by `indent`."""
+    kw = dict(subsequent_indent=indent, break_long_words=False, break_on_hyphens=False)
+    if len(lead) + 1 + len(text.split(" ", 1)[0]) > WIDTH:  # a long path: the text below it
+        return lead + "\n" + textwrap.fill(text, WIDTH, initial_indent=indent, **kw)
+    return textwrap.fill(text, WIDTH, initial_indent=lead + " ", **kw)
+
+
 def cmd_validate(args) -> int:
     from ..core.policy import ConfigError
     from ..config.run import load_any
@@ -84,8 +93,7 @@ def cmd_validate(args) -> int:
             for line in getattr(err, "errors", None) or str(err).splitlines():
                 print(f"error: {line}", file=sys.stderr)
             continue
-        print(textwrap.fill(f"OK {path} ({_summary(obj)})", WIDTH, subsequent_indent="  ",
-                            break_long_words=False, break_on_hyphens=False))
+        print(_after(f"OK {path}", f"({_summary(obj)})", "  "))
     if failed:
         print(f"{failed} of {len(args.files)} file(s) invalid", file=sys.stderr)
     return 1 if failed else 0
@@ -126,9 +134,8 @@ def cmd_show(args) -> int:
             print(yaml.safe_dump(v, sort_keys=False).strip() if isinstance(v, (dict, list)) else
                   ("null" if v is None else str(v).lower() if isinstance(v, bool) else v))
         return 0
-    head = f"{args.file} ({_kind(obj)} config, validated{', with ' + ' '.join(args.overrides) if args.overrides else ''})"
-    print(textwrap.fill(head, WIDTH, initial_indent="# ", subsequent_indent="#   ", break_long_words=False,
-                        break_on_hyphens=False))
+    print(_after(f"# {args.file}", f"({_kind(obj)} config, validated"
+                 f"{', with ' + ' '.join(args.overrides) if args.overrides else ''})", "#   "))
     # yaml breaks long strings at the first space past `width`: leave room for the indent and the word
     print(yaml.safe_dump(data, sort_keys=False, default_flow_style=False, width=WIDTH - 20), end="")
     return 0
