@@ -138,6 +138,21 @@ def test_topology_and_world_size_mismatch(tmp_path):
     assert "balancer.ranks_per_node: 4, but this layout puts 8 ranks of each expert-parallel group on a node" in msg
 
 
+def test_tensor_parallel_rules():
+    """TP > 1 without sequence parallelism (Megatron-Core's MoELayer refuses to train), and experts
+    tensor-parallel under a balancer (the dispatcher refuses to build): both named at validation,
+    with ETP's default spelled out; stock (balancer: null) may keep experts tensor-parallel."""
+    msg = _errors(M8x7, ["parallelism.tensor_model_parallel_size=2", "parallelism.pipeline_model_parallel_size=2"])
+    assert ("mixtral-8x7b.yaml: parallelism.sequence_parallel: false, but Megatron-Core trains MoE layers under "
+            "tensor parallelism (tensor_model_parallel_size 2) only with sequence parallelism") in msg
+    assert ("parallelism.expert_tensor_parallel_size: 2 (null: tensor_model_parallel_size, Megatron's default), but "
+            "a balancer moves whole experts: set 1") in msg
+    ok = ["parallelism.tensor_model_parallel_size=2", "parallelism.pipeline_model_parallel_size=2",
+          "parallelism.sequence_parallel=true"]
+    assert load_any(M8x7, ok + ["parallelism.expert_tensor_parallel_size=1"]).parallelism.sequence_parallel
+    assert load_any(M8x7, ok + ["balancer=null", "parallelism.expert_model_parallel_size=4"]).balancer is None
+
+
 def test_expert_divisibility(tmp_path):
     msg = _errors(MINI, ["model.num_experts=6", "balancer.policy=none"])
     assert "mini-mixtral.yaml: balancer.policy: 'none' cannot serve this layout" in msg

@@ -79,6 +79,9 @@ def check_run(cfg, where: str, origin: dict):
     if dp and gbs is not None and gbs % (t.micro_batch_size * dp):
         err("training.global_batch_size", f"{gbs} is not divisible by micro_batch_size {t.micro_batch_size} x "
             f"data-parallel size {dp}")
+    if tp > 1 and not p.sequence_parallel:  # MoELayer raises it at the first training forward
+        err("parallelism.sequence_parallel", f"false, but Megatron-Core trains MoE layers under tensor parallelism "
+            f"(tensor_model_parallel_size {tp}) only with sequence parallelism: set it true")
     if t.bf16 and t.fp16:
         err("training.fp16", "bf16 and fp16 are both true")
     if d.mock_data == bool(d.data_path):
@@ -87,6 +90,10 @@ def check_run(cfg, where: str, origin: dict):
     # balancer x expert-parallel group
     G_ep = ep_ranks_per_node(G, ep, etp)
     if bal is not None:
+        if etp != 1:  # the dispatcher refuses it when the model is built
+            src = "" if p.expert_tensor_parallel_size else " (null: tensor_model_parallel_size, Megatron's default)"
+            err("parallelism.expert_tensor_parallel_size", f"{etp}{src}, but a balancer moves whole experts: set 1 "
+                "(expert-parallel groups may span tensor-parallel ranks), or balancer: null for stock Megatron-Core")
         if m.moe_token_dispatcher_type != "alltoall":
             err("model.moe_token_dispatcher_type", f"{m.moe_token_dispatcher_type!r}, but a balancer replaces the "
                 "alltoall dispatcher: set alltoall, or balancer: null for stock Megatron-Core")

@@ -103,8 +103,10 @@ loads again to the same result.
 layers against PP; heads and query groups against TP; num_experts against the EP size (Megatron-Core's
 MoELayer needs num_experts % EP == 0, and policy `none` says so itself); the global batch against
 micro-batch x DP; the balancer's ranks_per_node against the layout; the policy against the EP group (the
-planner's own checks); a balancer needs `moe_token_dispatcher_type: alltoall`; exactly one of
-`data.mock_data` and `data.data_path`.
+planner's own checks); a balancer needs `moe_token_dispatcher_type: alltoall` and
+`expert_tensor_parallel_size: 1` (EP groups may span TP ranks); TP > 1 needs `sequence_parallel: true`
+(Megatron-Core's MoELayer refuses to train without it); exactly one of `data.mock_data` and
+`data.data_path`.
 """
 
 

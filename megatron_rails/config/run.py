@@ -80,8 +80,8 @@ class ParallelConfig:
     tensor_model_parallel_size: int = _f(1, minimum=1)
     pipeline_model_parallel_size: int = _f(1, minimum=1)
     expert_model_parallel_size: int = _f(1, "EP: the group the balancer plans over", minimum=1)
-    expert_tensor_parallel_size: int | None = _f(None, "null: Megatron's default (= tensor_model_parallel_size)",
-                                                 minimum=1)
+    expert_tensor_parallel_size: int | None = _f(
+        None, "null: Megatron's default (= tensor_model_parallel_size); 1 with a balancer", minimum=1)
     context_parallel_size: int = _f(1, minimum=1)
     sequence_parallel: bool = _f(False)
     nodes: int = _f(1, "nodes of the topology (for CPU runs: virtual nodes)", megatron=False, minimum=1)
