@@ -226,6 +226,23 @@ def test_wrong_dispatcher_type(dispatcher):
     assert not megatron_rails.megatron.is_installed()
 
 
+@pytest.mark.parametrize("extra, got", [(["--tensor-model-parallel-size", "2"], 2),
+                                        (["--expert-tensor-parallel-size", "4"], 4)])
+def test_expert_tensor_parallelism_is_rejected(extra, got):
+    """Experts tensor-parallel, also by Megatron's default (ETP = TP when not given): named before
+    the model is built; ETP 1 under TP 2 is accepted."""
+    args = parse(["--moe-balancer", "fsep", "--moe-token-dispatcher-type", "alltoall", *extra])
+    with pytest.raises(ConfigError, match=f"pass --expert-tensor-parallel-size 1 \\(got {got};"):
+        install_from_args(args)
+    assert not megatron_rails.megatron.is_installed()
+    args = parse(["--moe-balancer", "fsep", "--moe-token-dispatcher-type", "alltoall", *extra,
+                  "--expert-tensor-parallel-size", "1"])
+    try:
+        assert install_from_args(args, quiet=True).policy == "fsep"
+    finally:
+        megatron_rails.uninstall()
+
+
 def test_default_dispatcher_type_is_rejected():
     """TransformerConfig's default dispatcher is allgather: forgetting the flag is an error, not a no-op."""
     args = add_arguments(megatron_like_parser()).parse_args(["--num-experts", "8", "--moe-balancer", "fsep"])

@@ -117,6 +117,13 @@ def check_megatron_args(args, cfg: PolicyConfig) -> None:
                           f"pass {DISPATCHER_FLAG} (got --moe-token-dispatcher-type {dispatcher})")
     if hasattr(args, "num_experts") and args.num_experts is None:
         raise ConfigError(f"--moe-balancer {cfg.policy} needs an MoE model: pass --num-experts")
+    # Megatron-LM's validation sets a missing expert TP size to the TP size; the dispatcher would
+    # refuse it when the model is built, after minutes of start-up
+    etp = getattr(args, "expert_tensor_parallel_size", None) or getattr(args, "tensor_model_parallel_size", 1) or 1
+    if int(etp) != 1:
+        raise ConfigError(f"--moe-balancer {cfg.policy} moves whole experts: pass --expert-tensor-parallel-size 1 "
+                          f"(got {etp}; Megatron's default is --tensor-model-parallel-size); expert-parallel groups "
+                          "may span tensor-parallel ranks")
 
 
 def install_from_args(args, *, quiet: bool = False) -> PolicyConfig | None:
