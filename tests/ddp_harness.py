@@ -90,26 +90,41 @@ def cpu_megatron():
         torch.cuda.current_device, torch.cuda.current_stream, torch.cuda.synchronize = old
 
 
-def chunk(config, module):
-    """`module` (e.g. a bare MoELayer) as a one-stage model chunk for the schedule, which asks the
-    unwrapped model for `set_input_tensor` and `model_type`; forward returns the module's first
-    output where it returns a tuple (MoELayer: (output, bias))."""
+def chunk(config, module, pipeline: bool = False):
+    """`module` (e.g. a bare MoELayer) as a model chunk for the schedule, which asks the unwrapped
+    model for `set_input_tensor` and `model_type`; forward returns the module's first output where
+    it returns a tuple (MoELayer: (output, bias)). pipeline: a pipeline stage's chunk, which
+    computes on the tensor the schedule received from the previous stage where there is one
+    (set_input_tensor), the data in the first stage's first chunk: `stage_input(x)` says which,
+    for the caller to pass to forward (so activation recompute sees it as the input); and adds its
+    input to the module's output, as a transformer block's residual does (else every layer's
+    output, and so any error in it, shrinks from layer to layer: a gated MLP's is quadratic in
+    small inputs)."""
     from megatron.core.enums import ModelType
     from megatron.core.transformer.module import MegatronModule
 
     class Chunk(MegatronModule):
         model_type = ModelType.encoder_or_decoder
+        # finalize_model_grads looks for a pipeline stage's embedding: there is none
+        share_embeddings_and_output_weights, pre_process = False, False
 
         def __init__(self):
             super().__init__(config)
             self.layer = module
+            self.input_tensor = None
 
         def set_input_tensor(self, input_tensor):
-            pass  # first and last stage: inputs come from the data iterator
+            if pipeline:  # else first and last stage: inputs come from the data iterator
+                self.input_tensor = input_tensor[0] if isinstance(input_tensor, list) else input_tensor
 
-        def forward(self, *args, **kwargs):
-            out = self.layer(*args, **kwargs)
-            return out[0] if isinstance(out, tuple) else out
+        def stage_input(self, x):
+            """What this chunk computes on: the previous stage's output, else the data `x`."""
+            return self.input_tensor if self.input_tensor is not None else x
+
+        def forward(self, x, *args, **kwargs):
+            out = self.layer(x, *args, **kwargs)
+            out = out[0] if isinstance(out, tuple) else out
+            return x + out if pipeline else out
 
     return Chunk()
 
@@ -117,7 +132,9 @@ def chunk(config, module):
 def megatron_ddp(model, *, overlap_grad_reduce: bool, use_distributed_optimizer: bool,
                  overlap_param_gather: bool = False, lr: float = 0.1, optimizer: str = "sgd",
                  bucket_size: int | None = None, **optimizer_kw):
-    """(DistributedDataParallel, MegatronOptimizer) for `model` (a MegatronModule with `.config`).
+    """(DistributedDataParallel, MegatronOptimizer) for `model` (a MegatronModule with `.config`),
+    or (a list of them, one optimizer) for a list of model chunks (virtual pipeline stages, as
+    Megatron-LM's get_model wraps them: bucketing off from the second chunk on).
     The optimizer is plain: no weight decay, clipping or momentum unless given in optimizer_kw
     (OptimizerConfig fields). With use_distributed_optimizer, megatron-core 0.16.1 accepts only
     "adam" (torch AdamW here: no Transformer Engine or Apex); "sgd" raises there. bucket_size
@@ -128,30 +145,35 @@ def megatron_ddp(model, *, overlap_grad_reduce: bool, use_distributed_optimizer:
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     assert use_distributed_optimizer or not overlap_param_gather, "overlap_param_gather needs distopt"
-    config = model.config
+    chunks = model if isinstance(model, list) else [model]
+    config = chunks[0].config
     ddp_config = DistributedDataParallelConfig(
         overlap_grad_reduce=overlap_grad_reduce, use_distributed_optimizer=use_distributed_optimizer,
         overlap_param_gather=overlap_param_gather, bucket_size=bucket_size)
-    ddp = DistributedDataParallel(config, ddp_config, model)
+    ddps = [DistributedDataParallel(config, ddp_config, m, disable_bucketing=i > 0) for i, m in enumerate(chunks)]
     # OptimizerConfig's defaults are weight decay 0.01, clip 1.0, SGD momentum 0.9
     kw = {**dict(weight_decay=0.0, clip_grad=0.0, sgd_momentum=0.0), **optimizer_kw}
     opt_config = OptimizerConfig(optimizer=optimizer, lr=lr, use_distributed_optimizer=use_distributed_optimizer, **kw)
-    opt = get_megatron_optimizer(opt_config, [ddp])
+    opt = get_megatron_optimizer(opt_config, ddps)
 
-    # as Megatron-LM's train() sets the model config up (one model chunk)
+    def per_chunk(fns):  # Megatron-LM's train(): a list for several chunks, the function for one
+        return fns if len(fns) > 1 else fns[0]
+
+    # as Megatron-LM's train() sets the model config up
     config.grad_scale_func = opt.scale_loss
     config.no_sync_func = config.grad_sync_func = config.param_sync_func = None
     if overlap_grad_reduce:
-        config.no_sync_func = ddp.no_sync
-        config.grad_sync_func = ddp.start_grad_sync  # align_grad_reduce (on by default)
+        config.no_sync_func = per_chunk([d.no_sync for d in ddps])
+        config.grad_sync_func = per_chunk([d.start_grad_sync for d in ddps])  # align_grad_reduce (default on)
     if ddp_config.overlap_param_gather and ddp_config.align_param_gather:
-        config.param_sync_func = ddp.start_param_sync
+        config.param_sync_func = per_chunk([d.start_param_sync for d in ddps])
     config.finalize_model_grads_func = finalize_model_grads
-    if ddp.use_forward_hook:
-        # train() starts with the param all-gather pre-hooks off and turns them on after the first
-        # successful step (so that a bad init or checkpoint load is not spread by the first gather)
-        ddp.disable_forward_pre_hook(param_sync=False)
-    return ddp, opt
+    for d in ddps:
+        if d.use_forward_hook:
+            # train() starts with the param all-gather pre-hooks off and turns them on after the first
+            # successful step (so that a bad init or checkpoint load is not spread by the first gather)
+            d.disable_forward_pre_hook(param_sync=False)
+    return (ddps if isinstance(model, list) else ddps[0]), opt
 
 
 def train_step(ddp, optimizer, microbatches: list, loss_fn) -> list[float]:
@@ -160,24 +182,45 @@ def train_step(ddp, optimizer, microbatches: list, loss_fn) -> list[float]:
     but the last run under ddp.no_sync and the bucket reductions start from the backward hooks of
     the last one; finalize_model_grads finishes (or, without overlap, does) them.
     loss_fn(model, microbatch) -> scalar loss tensor; returns the per-microbatch losses (unscaled)."""
+    return schedule_step([ddp], optimizer, microbatches, loss_fn, lambda out, microbatch: out)
+
+
+def schedule_step(ddps: list, optimizer, microbatches: list, forward_fn, loss_fn, *, seq_length: int = 0,
+                  forward_only: bool = False) -> list[float]:
+    """One step of Megatron's forward_backward_func for the parallel state's pipeline (no
+    pipelining, 1F1B, or interleaved for several chunks) over `microbatches`, then, unless
+    forward_only, optimizer.step(). forward_fn(model, microbatch) -> the chunk's output;
+    loss_fn(output, microbatch) -> scalar loss (called on the last stage only). seq_length: the
+    tokens per microbatch that stages send each other (all of them, before sequence parallelism
+    splits them; micro batch size 1). Returns the last stage's per-microbatch losses (unscaled),
+    [] on other stages."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    ddp.zero_grad_buffer()
-    optimizer.zero_grad()
-    data = iter(microbatches)
+    if not forward_only:
+        for d in ddps:
+            d.zero_grad_buffer()
+        optimizer.zero_grad()
 
     def forward_step(data_iterator, model):
-        loss = loss_fn(model, next(data_iterator))
-        # the schedule divides the returned loss in place: report a copy
-        return loss, lambda out: (out, {"loss": out.detach().clone()})
+        microbatch = next(data_iterator)
 
+        def loss_func(out):
+            loss = loss_fn(out, microbatch)
+            # the schedule divides the returned loss in place: report a copy
+            return loss, {"loss": loss.detach().clone()}
+
+        return forward_fn(model, microbatch), loss_func
+
+    data = [iter(microbatches) for _ in ddps]
     reduced = get_forward_backward_func()(
-        forward_step_func=forward_step, data_iterator=data, model=[ddp], num_microbatches=len(microbatches),
-        seq_length=0, micro_batch_size=0, forward_only=False)
-    ok, _grad_norm, _ = optimizer.step()
-    assert ok, "optimizer step skipped (inf/nan gradients)"
-    if ddp.use_forward_hook and not ddp.remove_forward_pre_hook_handles:
-        ddp.enable_forward_pre_hook()
+        forward_step_func=forward_step, data_iterator=data if len(ddps) > 1 else data[0], model=ddps,
+        num_microbatches=len(microbatches), seq_length=seq_length, micro_batch_size=1, forward_only=forward_only)
+    if not forward_only:
+        ok, _grad_norm, _ = optimizer.step()
+        assert ok, "optimizer step skipped (inf/nan gradients)"
+        for d in ddps:
+            if d.use_forward_hook and not d.remove_forward_pre_hook_handles:
+                d.enable_forward_pre_hook()
     return [float(r["loss"]) for r in reduced]
 
 

@@ -22,7 +22,7 @@ from megatron_rails.runtime.comm.base import leave
 TIMEOUT = timedelta(minutes=5)
 
 
-def _entry(rank, world, store, fn, args, errq, megatron=True, ep=None):
+def _entry(rank, world, store, fn, args, errq, megatron=True, ep=None, parallel=None):
     torch.set_num_threads(1)
     try:
         # rendezvous through a file: no port picked in advance that another process could take
@@ -35,7 +35,8 @@ def _entry(rank, world, store, fn, args, errq, megatron=True, ep=None):
             from megatron.core import parallel_state as ps
 
             ps.initialize_model_parallel(expert_model_parallel_size=ep or world,
-                                         distributed_timeout_minutes=int(TIMEOUT.total_seconds() // 60))
+                                         distributed_timeout_minutes=int(TIMEOUT.total_seconds() // 60),
+                                         **(parallel or {}))
         fn(rank, world, *args)
     except BaseException:
         errq.put(f"rank {rank}:\n{traceback.format_exc()}")
@@ -44,14 +45,16 @@ def _entry(rank, world, store, fn, args, errq, megatron=True, ep=None):
     leave(0)
 
 
-def spawn(fn, world: int, *args, megatron: bool = True, ep: int | None = None) -> None:
+def spawn(fn, world: int, *args, megatron: bool = True, ep: int | None = None, parallel: dict | None = None) -> None:
     """megatron=False: plain gloo ranks (no Megatron import, no parallel state) for comm-only tests.
-    ep: the expert-parallel size (default world); world / ep expert-data-parallel replicas."""
+    ep: the expert-parallel size (default world); world / ep expert-data-parallel replicas (per
+    pipeline stage). parallel: more keywords of `initialize_model_parallel` (tensor / pipeline /
+    virtual pipeline sizes, expert_tensor_parallel_size)."""
     ctx = mp.get_context("spawn")
     errq = ctx.SimpleQueue()
     try:
         with tempfile.TemporaryDirectory(prefix="rails-spawn-") as tmp:
-            mp.start_processes(_entry, args=(world, os.path.join(tmp, "store"), fn, args, errq, megatron, ep),
+            mp.start_processes(_entry, args=(world, os.path.join(tmp, "store"), fn, args, errq, megatron, ep, parallel),
                                nprocs=world, join=True, start_method="spawn")
     except mp.ProcessExitedException as err:
         msgs = []

@@ -9,9 +9,17 @@ step, each microbatch's loss, the parameters in stock layout and an evaluation f
 no_grad and under inference_mode, all to 1e-5. It found the bucket-launch order of expert-data-
 parallel replicas (megatron/grad_sync.py, InOrderLaunch).
 
-    python tests/sweep_training.py --world 4 --ep 2 --cases 0:40
+--tp runs tensor parallelism with sequence parallelism (each TP rank holds part of every sequence;
+experts are not tensor-parallel, so an EP group may span TP ranks). --pp runs Megatron-Core's
+pipeline schedules: each case draws 1 or 2 model chunks per stage (1F1B or the interleaved
+schedule), each chunk one MoE layer plus its input (a residual: without it every layer's output,
+and any error in it, would shrink layer by layer); the losses are the last stage's, the evaluation
+runs the forward-only schedule.
 
-Not collected by pytest (tests/test_sweep_training.py runs two of its cases); a failing case prints
+    python tests/sweep_training.py --world 4 --ep 2 --cases 0:40
+    python tests/sweep_training.py --world 4 --tp 2 --pp 2 --cases 0:30
+
+Not collected by pytest (tests/test_sweep_training.py runs four of its cases); a failing case prints
 its configuration and the first mismatch, and the sweep goes on with the next.
 """
 from __future__ import annotations
@@ -31,9 +39,10 @@ HIDDEN, FFN, STEPS = 16, 24, 3
 POLICIES = ("none", "eplb", "ultraep", "lp", "fsep", "default")
 
 
-def draw(ep: int, world: int, case: int) -> dict:
-    """Case `case`'s configuration (the same on every rank; ep: expert-parallel size)."""
-    r = np.random.default_rng([world, ep, case])
+def draw(ep: int, world: int, case: int, tp: int = 1, pp: int = 1) -> dict:
+    """Case `case`'s configuration (the same on every rank; ep: expert-parallel size; tp, pp:
+    tensor (with sequence parallelism, experts not tensor-parallel) and pipeline parallel sizes)."""
+    r = np.random.default_rng([world, ep, case] if tp == pp == 1 else [world, ep, case, tp, pp])
     E = ep * int(r.integers(1, 4))
     policy = POLICIES[int(r.integers(len(POLICIES)))]
     sizes = [g for g in range(1, ep + 1) if ep % g == 0]
@@ -46,6 +55,13 @@ def draw(ep: int, world: int, case: int) -> dict:
         c["rails"] = dict(policy=policy, slots=int(r.integers(0 if policy in ("none", "fsep") else 1, 4)),
                           tolerance=float(r.choice([0.0, 0.05])), comm=str(r.choice(["direct", "rails"])),
                           ranks_per_node=sizes[int(r.integers(len(sizes)))], dedup=bool(r.integers(2)))
+    if tp > 1 or pp > 1:
+        # one MoE layer per model chunk; vpp 2: the interleaved schedule, which wants M a multiple
+        # of pp (its microbatch groups) and whole sequences split over the TP ranks
+        c.update(tp=tp, pp=pp, vpp=int(r.integers(1, 3)) if pp > 1 else 1)
+        c["tokens"] = tp * -(-c["tokens"] // tp)
+        if c["vpp"] > 1:
+            c["micro"] = [pp * int(r.integers(1, 3)) for _ in range(STEPS)]
     return c
 
 
@@ -53,42 +69,62 @@ def _config(ep: int, dispatcher: str, c: dict):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     return TransformerConfig(
-        num_layers=1, hidden_size=HIDDEN, num_attention_heads=2, num_moe_experts=c["experts"],
+        hidden_size=HIDDEN, num_attention_heads=2, num_moe_experts=c["experts"],
         moe_router_topk=c["topk"], moe_token_dispatcher_type=dispatcher, ffn_hidden_size=FFN,
         moe_ffn_hidden_size=FFN, add_bias_linear=False, expert_model_parallel_size=ep,
         use_cpu_initialization=True, moe_aux_loss_coeff=0.0, gated_linear_unit=c["glu"],
+        num_layers=c.get("pp", 1) * c.get("vpp", 1), tensor_model_parallel_size=c.get("tp", 1),
+        sequence_parallel=c.get("tp", 1) > 1, expert_tensor_parallel_size=1,
+        pipeline_model_parallel_size=c.get("pp", 1), pipeline_dtype=torch.float32,
+        virtual_pipeline_model_parallel_size=c["vpp"] if c.get("vpp", 1) > 1 else None,
         activation_func=torch.nn.functional.silu if c["glu"] else torch.nn.functional.gelu,
         bias_activation_fusion=False, moe_router_load_balancing_type="none", init_method_std=0.2,
         moe_router_pre_softmax=c["topk"] == 1)
 
 
-def _chunk(ep: int, c: dict, u: torch.Tensor, rails):
+def _chunks(ep: int, c: dict, u: torch.Tensor, rails) -> list:
+    """This rank's model chunks: one MoE layer each (layer v * pp + stage of the model, as
+    Megatron lays out virtual pipeline stages), seeded by that layer number."""
     import megatron_rails
+    from megatron.core import parallel_state as ps
+
     from ddp_harness import chunk
     from moe_harness import build_moe_layer
 
     # stock: the allgather dispatcher (every rank has the same token count here)
     cfg = _config(ep, "allgather" if rails is None else "alltoall", c)
-    torch.manual_seed(c["seed"] % 1000)
-    if rails is not None:
-        megatron_rails.install(rails)
-    try:
-        layer = build_moe_layer(cfg)
-    finally:
+    pp, stage = c.get("pp", 1), ps.get_pipeline_model_parallel_rank()
+    out = []
+    for v in range(c.get("vpp", 1)):
+        torch.manual_seed(c["seed"] % 1000 + 7 * (v * pp + stage))
         if rails is not None:
-            megatron_rails.uninstall()
-    with torch.no_grad():
-        layer.router.weight.add_(c["skew"] * u)
-    return chunk(cfg, layer)
+            megatron_rails.install(rails)
+        try:
+            layer = build_moe_layer(cfg)
+        finally:
+            if rails is not None:
+                megatron_rails.uninstall()
+        with torch.no_grad():
+            layer.router.weight.add_(c["skew"] * u)
+        out.append(chunk(cfg, layer, pipeline=pp > 1))
+    return out
 
 
-def _microbatches(rank: int, step: int, c: dict, u: torch.Tensor) -> list:
-    g = torch.Generator().manual_seed(1000 * rank + step + c["seed"] % 997)
+def _microbatches(step: int, c: dict, u: torch.Tensor, scale: float = 1.0) -> list:
+    """(x, y) per microbatch, [T / tp, 1, H] each: a data-parallel rank's sequences (the same on
+    the ranks of its pipeline and tensor-parallel groups), this TP rank's part of them (sequence
+    parallelism)."""
+    from megatron.core import parallel_state as ps
+
+    g = torch.Generator().manual_seed(1000 * ps.get_data_parallel_rank() + step + c["seed"] % 997)
     out, E, T = [], c["experts"], c["tokens"]
+    part = slice(ps.get_tensor_model_parallel_rank() * T // c.get("tp", 1),
+                 (ps.get_tensor_model_parallel_rank() + 1) * T // c.get("tp", 1))
     for m in range(c["micro"][step]):
         hot = (step + m) % E
         x = torch.randn(T, HIDDEN, generator=g) * 0.5 + 1.5 * u[hot] + 0.8 * u[(hot + 3) % E]
-        out.append((x.view(T, 1, HIDDEN), torch.randn(T, 1, HIDDEN, generator=g)))
+        y = torch.randn(T, 1, HIDDEN, generator=g)
+        out.append((scale * x.view(T, 1, HIDDEN)[part], y[part]))
     return out
 
 
@@ -96,12 +132,13 @@ def run_case(rank: int, ep: int, c: dict) -> None:
     """Train case `c` with both dispatchers; AssertionError at the first mismatch."""
     from megatron.core import tensor_parallel
 
-    from ddp_harness import full_params, megatron_ddp, train_step
+    from ddp_harness import full_params, megatron_ddp, schedule_step
 
     u = torch.tensor(np.random.default_rng(c["seed"]).standard_normal((c["experts"], HIDDEN)), dtype=torch.float32)
     u /= u.norm(dim=1, keepdim=True)
-    models = {"stock": _chunk(ep, c, u, None), "rails": _chunk(ep, c, u, c.get("rails", "default"))}
-    models["rails"].layer.load_state_dict(models["stock"].layer.state_dict())
+    models = {"stock": _chunks(ep, c, u, None), "rails": _chunks(ep, c, u, c.get("rails", "default"))}
+    for mine, theirs in zip(models["rails"], models["stock"]):
+        mine.layer.load_state_dict(theirs.layer.state_dict())
     kind = "adam" if c["distopt"] else "sgd"  # megatron-core 0.16's distributed optimizer takes Adam only
     runs = {name: megatron_ddp(m, overlap_grad_reduce=c["overlap_grad_reduce"], use_distributed_optimizer=c["distopt"],
                                overlap_param_gather=c["overlap_param_gather"], lr=0.1, optimizer=kind,
@@ -109,60 +146,89 @@ def run_case(rank: int, ep: int, c: dict) -> None:
                                **({"adam_eps": 1.0} if kind == "adam" else {}))
             for name, m in models.items()}
 
-    def loss_fn(model, microbatch):
-        x, y = microbatch
-        out = tensor_parallel.checkpoint(lambda t: model(t), False, x) if c["recompute"] else model(x)
-        return ((out - y) ** 2).mean()
+    def forward_fn(model, microbatch):
+        x = model.module.stage_input(microbatch[0])
+        return tensor_parallel.checkpoint(lambda t: model(t), False, x) if c["recompute"] else model(x)
+
+    def loss_fn(out, microbatch):
+        return ((out - microbatch[1]) ** 2).mean()
+
+    def step(name, mbs, forward_only=False):
+        ddps, opt = runs[name]
+        return schedule_step(ddps, opt, mbs, forward_fn, loss_fn, seq_length=c["tokens"], forward_only=forward_only)
 
     close = dict(rtol=1e-5, atol=1e-5)
-    for step in range(STEPS):
-        mbs = _microbatches(rank, step, c, u)
-        want = train_step(*runs["stock"], mbs, loss_fn)
-        got = train_step(*runs["rails"], mbs, loss_fn)
+    for k in range(STEPS):
+        mbs = _microbatches(k, c, u)
+        want, got = step("stock", mbs), step("rails", mbs)
         torch.testing.assert_close(torch.tensor(got), torch.tensor(want), **close,
-                                   msg=lambda m: f"rank {rank} step {step}: losses\n{m}")
+                                   msg=lambda m: f"rank {rank} step {k}: losses\n{m}")
         if not c["overlap_param_gather"]:  # else the parameters are current only after the next forward
-            state = models["rails"].layer.state_dict()  # stock layout (fsep assembles it from shards)
-            for k, v in full_params(runs["stock"][0]).items():
-                torch.testing.assert_close(state[k[len("layer."):]], v, **close,
-                                           msg=lambda m: f"rank {rank} step {step}: {k}\n{m}")
-        x = mbs[0][0] * 1.1  # an evaluation forward between steps: no optimizer, no backward
-        with torch.no_grad():
-            want = runs["stock"][0](x)
-            got = runs["rails"][0](x)
-        torch.testing.assert_close(got, want, **close, msg=lambda m: f"rank {rank} step {step}: no_grad forward\n{m}")
-        with torch.inference_mode():
-            got = runs["rails"][0](x)
-        torch.testing.assert_close(got, want, **close,
-                                   msg=lambda m: f"rank {rank} step {step}: inference_mode forward\n{m}")
+            for v, (mine, ddp) in enumerate(zip(models["rails"], runs["stock"][0])):
+                state = mine.layer.state_dict()  # stock layout (fsep assembles it from shards)
+                for n, want_p in full_params(ddp).items():
+                    torch.testing.assert_close(state[n[len("layer."):]], want_p, **close,
+                                               msg=lambda m: f"rank {rank} step {k} chunk {v}: {n}\n{m}")
+        # an evaluation forward between steps: no optimizer, no backward
+        # (the interleaved schedule wants at least pp microbatches; the step's first ones, scaled)
+        evals = _microbatches(k, c, u, scale=1.1)[:c.get("pp", 1)]
+        if c.get("pp", 1) == 1:  # the output itself
+            x = evals[0][0]
+            with torch.no_grad():
+                want, got = runs["stock"][0][0](x), runs["rails"][0][0](x)
+            torch.testing.assert_close(got, want, **close, msg=lambda m: f"rank {rank} step {k}: no_grad forward\n{m}")
+            with torch.inference_mode():
+                got = runs["rails"][0][0](x)
+        else:  # through the pipeline: the last stage's loss
+            with torch.no_grad():
+                want, got = step("stock", evals, True), step("rails", evals, True)
+            torch.testing.assert_close(torch.tensor(got), torch.tensor(want), **close,
+                                       msg=lambda m: f"rank {rank} step {k}: no_grad forward\n{m}")
+            with torch.inference_mode():
+                got = step("rails", evals, True)
+        torch.testing.assert_close(torch.tensor(got) if isinstance(got, list) else got,
+                                   torch.tensor(want) if isinstance(want, list) else want, **close,
+                                   msg=lambda m: f"rank {rank} step {k}: inference_mode forward\n{m}")
 
 
-def _worker(rank: int, world: int, ep: int, cases: list) -> None:
+def _worker(rank: int, world: int, ep: int, cases: list, tp: int = 1, pp: int = 1) -> None:
     from ddp_harness import cpu_megatron
 
     with cpu_megatron():
         for case in cases:
-            run_case(rank, ep, draw(ep, world, case))
+            run_case(rank, ep, draw(ep, world, case, tp, pp))
 
 
-def run(world: int, ep: int, case: int) -> None:
-    """One case on `world` spawned ranks (raises on a mismatch)."""
-    spawn(_worker, world, ep, [case], ep=ep)
+def run(world: int, ep: int, case: int, tp: int = 1, pp: int = 1) -> None:
+    """One case on `world` spawned ranks (raises on a mismatch). world = tp x pp x data-parallel;
+    ep divides tp x data-parallel (experts are not tensor-parallel)."""
+    vpp = draw(ep, world, case, tp, pp).get("vpp", 1)
+    spawn(_worker, world, ep, [case], tp, pp, ep=ep,
+          parallel=dict(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_tensor_parallel_size=1,
+                        virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None))
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--world", type=int, default=2, help="gloo ranks")
-    ap.add_argument("--ep", type=int, help="expert-parallel size (default: --world; a divisor of it)")
+    ap.add_argument("--ep", type=int, help="expert-parallel size (default: --world / --pp; divides it)")
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size, with sequence parallelism (experts "
+                    "are not tensor-parallel: EP groups may span TP ranks)")
+    ap.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (cases draw 1 or 2 model chunks per "
+                    "stage: 1F1B or the interleaved schedule)")
     ap.add_argument("--cases", default="0:20", help="case numbers FIRST:END (END excluded)")
     args = ap.parse_args(argv)
-    ep = args.ep or args.world
+    if args.world % (args.tp * args.pp):
+        ap.error(f"--world {args.world} is not a multiple of --tp x --pp = {args.tp * args.pp}")
+    ep = args.ep or args.world // args.pp
+    if (args.world // args.pp) % ep:
+        ap.error(f"--ep {ep} does not divide the {args.world // args.pp} ranks of a pipeline stage")
     first, end = (int(v) for v in args.cases.split(":"))
     failed = 0
     for case in range(first, end):
-        c = draw(ep, args.world, case)
+        c = draw(ep, args.world, case, args.tp, args.pp)
         try:
-            run(args.world, ep, case)
+            run(args.world, ep, case, args.tp, args.pp)
             print(f"ok   {c}", flush=True)
         except BaseException as err:  # noqa: BLE001 -- report and go on with the next case
             if isinstance(err, KeyboardInterrupt):
