@@ -10,7 +10,8 @@ no_grad and under inference_mode, all to 1e-5. It found the bucket-launch order 
 parallel replicas (megatron/grad_sync.py, InOrderLaunch).
 
 --tp runs tensor parallelism with sequence parallelism (each TP rank holds part of every sequence;
-experts are not tensor-parallel, so an EP group may span TP ranks). --pp runs Megatron-Core's
+experts are not tensor-parallel, so an EP group may span TP ranks), --cp context parallelism (each
+CP rank holds part of every sequence; EP groups may span CP ranks). --pp runs Megatron-Core's
 pipeline schedules: each case draws 1 or 2 model chunks per stage (1F1B or the interleaved
 schedule), each chunk one MoE layer plus its input (a residual: without it every layer's output,
 and any error in it, would shrink layer by layer); the losses are the last stage's, the evaluation
@@ -39,10 +40,12 @@ HIDDEN, FFN, STEPS = 16, 24, 3
 POLICIES = ("none", "eplb", "ultraep", "lp", "fsep", "default")
 
 
-def draw(ep: int, world: int, case: int, tp: int = 1, pp: int = 1) -> dict:
-    """Case `case`'s configuration (the same on every rank; ep: expert-parallel size; tp, pp:
-    tensor (with sequence parallelism, experts not tensor-parallel) and pipeline parallel sizes)."""
-    r = np.random.default_rng([world, ep, case] if tp == pp == 1 else [world, ep, case, tp, pp])
+def draw(ep: int, world: int, case: int, tp: int = 1, pp: int = 1, cp: int = 1) -> dict:
+    """Case `case`'s configuration (the same on every rank; ep: expert-parallel size; tp, pp, cp:
+    tensor (with sequence parallelism, experts not tensor-parallel), pipeline and context parallel
+    sizes)."""
+    r = np.random.default_rng([world, ep, case] if tp == pp == cp == 1 else
+                              [world, ep, case, tp, pp] + ([cp] if cp > 1 else []))
     E = ep * int(r.integers(1, 4))
     policy = POLICIES[int(r.integers(len(POLICIES)))]
     sizes = [g for g in range(1, ep + 1) if ep % g == 0]
@@ -55,11 +58,13 @@ def draw(ep: int, world: int, case: int, tp: int = 1, pp: int = 1) -> dict:
         c["rails"] = dict(policy=policy, slots=int(r.integers(0 if policy in ("none", "fsep") else 1, 4)),
                           tolerance=float(r.choice([0.0, 0.05])), comm=str(r.choice(["direct", "rails"])),
                           ranks_per_node=sizes[int(r.integers(len(sizes)))], dedup=bool(r.integers(2)))
-    if tp > 1 or pp > 1:
+    if tp > 1 or pp > 1 or cp > 1:
         # one MoE layer per model chunk; vpp 2: the interleaved schedule, which wants M a multiple
-        # of pp (its microbatch groups) and whole sequences split over the TP ranks
+        # of pp (its microbatch groups); whole sequences split over the CP x TP ranks
         c.update(tp=tp, pp=pp, vpp=int(r.integers(1, 3)) if pp > 1 else 1)
-        c["tokens"] = tp * -(-c["tokens"] // tp)
+        if cp > 1:
+            c["cp"] = cp
+        c["tokens"] = tp * cp * -(-c["tokens"] // (tp * cp))
         if c["vpp"] > 1:
             c["micro"] = [pp * int(r.integers(1, 3)) for _ in range(STEPS)]
     return c
@@ -74,7 +79,7 @@ def _config(ep: int, dispatcher: str, c: dict):
         moe_ffn_hidden_size=FFN, add_bias_linear=False, expert_model_parallel_size=ep,
         use_cpu_initialization=True, moe_aux_loss_coeff=0.0, gated_linear_unit=c["glu"],
         num_layers=c.get("pp", 1) * c.get("vpp", 1), tensor_model_parallel_size=c.get("tp", 1),
-        sequence_parallel=c.get("tp", 1) > 1, expert_tensor_parallel_size=1,
+        sequence_parallel=c.get("tp", 1) > 1, expert_tensor_parallel_size=1, context_parallel_size=c.get("cp", 1),
         pipeline_model_parallel_size=c.get("pp", 1), pipeline_dtype=torch.float32,
         virtual_pipeline_model_parallel_size=c["vpp"] if c.get("vpp", 1) > 1 else None,
         activation_func=torch.nn.functional.silu if c["glu"] else torch.nn.functional.gelu,
@@ -111,15 +116,16 @@ def _chunks(ep: int, c: dict, u: torch.Tensor, rails) -> list:
 
 
 def _microbatches(step: int, c: dict, u: torch.Tensor, scale: float = 1.0) -> list:
-    """(x, y) per microbatch, [T / tp, 1, H] each: a data-parallel rank's sequences (the same on
-    the ranks of its pipeline and tensor-parallel groups), this TP rank's part of them (sequence
-    parallelism)."""
+    """(x, y) per microbatch, [T / (cp tp), 1, H] each: a data-parallel rank's sequences (the same
+    on the ranks of its pipeline, context- and tensor-parallel groups), this rank's part of them:
+    its CP rank's part, of which its TP rank's part (sequence parallelism)."""
     from megatron.core import parallel_state as ps
 
     g = torch.Generator().manual_seed(1000 * ps.get_data_parallel_rank() + step + c["seed"] % 997)
     out, E, T = [], c["experts"], c["tokens"]
-    part = slice(ps.get_tensor_model_parallel_rank() * T // c.get("tp", 1),
-                 (ps.get_tensor_model_parallel_rank() + 1) * T // c.get("tp", 1))
+    n, i = c.get("tp", 1) * c.get("cp", 1), ps.get_context_parallel_rank() * c.get("tp", 1) + \
+        ps.get_tensor_model_parallel_rank()
+    part = slice(i * T // n, (i + 1) * T // n)
     for m in range(c["micro"][step]):
         hot = (step + m) % E
         x = torch.randn(T, HIDDEN, generator=g) * 0.5 + 1.5 * u[hot] + 0.8 * u[(hot + 3) % E]
@@ -191,20 +197,21 @@ def run_case(rank: int, ep: int, c: dict) -> None:
                                    msg=lambda m: f"rank {rank} step {k}: inference_mode forward\n{m}")
 
 
-def _worker(rank: int, world: int, ep: int, cases: list, tp: int = 1, pp: int = 1) -> None:
+def _worker(rank: int, world: int, ep: int, cases: list, tp: int = 1, pp: int = 1, cp: int = 1) -> None:
     from ddp_harness import cpu_megatron
 
     with cpu_megatron():
         for case in cases:
-            run_case(rank, ep, draw(ep, world, case, tp, pp))
+            run_case(rank, ep, draw(ep, world, case, tp, pp, cp))
 
 
-def run(world: int, ep: int, case: int, tp: int = 1, pp: int = 1) -> None:
-    """One case on `world` spawned ranks (raises on a mismatch). world = tp x pp x data-parallel;
-    ep divides tp x data-parallel (experts are not tensor-parallel)."""
-    vpp = draw(ep, world, case, tp, pp).get("vpp", 1)
-    spawn(_worker, world, ep, [case], tp, pp, ep=ep,
-          parallel=dict(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_tensor_parallel_size=1,
+def run(world: int, ep: int, case: int, tp: int = 1, pp: int = 1, cp: int = 1) -> None:
+    """One case on `world` spawned ranks (raises on a mismatch). world = tp x cp x pp x data-
+    parallel; ep divides world / pp (experts are neither tensor- nor context-parallel)."""
+    vpp = draw(ep, world, case, tp, pp, cp).get("vpp", 1)
+    spawn(_worker, world, ep, [case], tp, pp, cp, ep=ep,
+          parallel=dict(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp,
+                        expert_tensor_parallel_size=1,
                         virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None))
 
 
@@ -216,19 +223,21 @@ def main(argv=None) -> int:
                     "are not tensor-parallel: EP groups may span TP ranks)")
     ap.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (cases draw 1 or 2 model chunks per "
                     "stage: 1F1B or the interleaved schedule)")
+    ap.add_argument("--cp", type=int, default=1, help="context-parallel size (each CP rank holds part of every "
+                    "sequence; EP groups may span CP ranks)")
     ap.add_argument("--cases", default="0:20", help="case numbers FIRST:END (END excluded)")
     args = ap.parse_args(argv)
-    if args.world % (args.tp * args.pp):
-        ap.error(f"--world {args.world} is not a multiple of --tp x --pp = {args.tp * args.pp}")
+    if args.world % (args.tp * args.pp * args.cp):
+        ap.error(f"--world {args.world} is not a multiple of --tp x --pp x --cp = {args.tp * args.pp * args.cp}")
     ep = args.ep or args.world // args.pp
     if (args.world // args.pp) % ep:
         ap.error(f"--ep {ep} does not divide the {args.world // args.pp} ranks of a pipeline stage")
     first, end = (int(v) for v in args.cases.split(":"))
     failed = 0
     for case in range(first, end):
-        c = draw(ep, args.world, case, args.tp, args.pp)
+        c = draw(ep, args.world, case, args.tp, args.pp, args.cp)
         try:
-            run(args.world, ep, case, args.tp, args.pp)
+            run(args.world, ep, case, args.tp, args.pp, args.cp)
             print(f"ok   {c}", flush=True)
         except BaseException as err:  # noqa: BLE001 -- report and go on with the next case
             if isinstance(err, KeyboardInterrupt):
