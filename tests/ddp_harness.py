@@ -1,5 +1,6 @@
-"""Megatron-Core's own DistributedDataParallel, optimizer and no-pipelining schedule, run for real on
-CPU ranks (gloo), for tests that must see exactly what training does to gradients and parameters.
+"""Megatron-Core's own DistributedDataParallel, optimizer and schedules (no pipelining, 1F1B,
+interleaved), run for real on CPU ranks (gloo), for tests that must see exactly what training does
+to gradients and parameters.
 
     with cpu_megatron():
         ddp, opt = megatron_ddp(chunk(cfg, layer), overlap_grad_reduce=True, use_distributed_optimizer=True)
@@ -9,7 +10,8 @@ CPU ranks (gloo), for tests that must see exactly what training does to gradient
 Runs on the current process group with Megatron's parallel state already initialized (moe_harness.spawn).
 Wiring follows Megatron-LM's training.py: config.no_sync_func / grad_sync_func / param_sync_func /
 finalize_model_grads_func / grad_scale_func; zero_grad_buffer + zero_grad, forward_backward_func,
-optimizer.step(); with overlap_param_gather the forward pre-hooks are off for the first iteration.
+optimizer.step(); with overlap_param_gather the forward pre-hooks (and the interleaved schedule's
+param_sync_func) are off for the first iteration.
 
 Gradient scaling (megatron-core 0.16.1 and 0.19.2, calculate_per_token_loss and average_in_collective
 False):
@@ -147,9 +149,12 @@ def megatron_ddp(model, *, overlap_grad_reduce: bool, use_distributed_optimizer:
     assert use_distributed_optimizer or not overlap_param_gather, "overlap_param_gather needs distopt"
     chunks = model if isinstance(model, list) else [model]
     config = chunks[0].config
+    # Megatron-LM aligns the parameter all-gathers across pipeline stages (the schedule dispatches
+    # them) for the interleaved schedule only, and turns align_param_gather off otherwise
     ddp_config = DistributedDataParallelConfig(
         overlap_grad_reduce=overlap_grad_reduce, use_distributed_optimizer=use_distributed_optimizer,
-        overlap_param_gather=overlap_param_gather, bucket_size=bucket_size)
+        overlap_param_gather=overlap_param_gather, bucket_size=bucket_size,
+        align_param_gather=overlap_param_gather and len(chunks) > 1)
     ddps = [DistributedDataParallel(config, ddp_config, m, disable_bucketing=i > 0) for i, m in enumerate(chunks)]
     # OptimizerConfig's defaults are weight decay 0.01, clip 1.0, SGD momentum 0.9
     kw = {**dict(weight_decay=0.0, clip_grad=0.0, sgd_momentum=0.0), **optimizer_kw}
@@ -165,13 +170,15 @@ def megatron_ddp(model, *, overlap_grad_reduce: bool, use_distributed_optimizer:
     if overlap_grad_reduce:
         config.no_sync_func = per_chunk([d.no_sync for d in ddps])
         config.grad_sync_func = per_chunk([d.start_grad_sync for d in ddps])  # align_grad_reduce (default on)
-    if ddp_config.overlap_param_gather and ddp_config.align_param_gather:
-        config.param_sync_func = per_chunk([d.start_param_sync for d in ddps])
     config.finalize_model_grads_func = finalize_model_grads
+    # train() starts with the param all-gather pre-hooks off, and the schedule's param_sync_func
+    # unset, and turns both on after the first successful step (so that a bad init or checkpoint
+    # load is not spread by the first gather); schedule_step does the turning on
+    config.harness_param_sync_func = None
+    if ddp_config.overlap_param_gather and ddp_config.align_param_gather:
+        config.harness_param_sync_func = per_chunk([d.start_param_sync for d in ddps])
     for d in ddps:
         if d.use_forward_hook:
-            # train() starts with the param all-gather pre-hooks off and turns them on after the first
-            # successful step (so that a bad init or checkpoint load is not spread by the first gather)
             d.disable_forward_pre_hook(param_sync=False)
     return (ddps if isinstance(model, list) else ddps[0]), opt
 
@@ -191,8 +198,8 @@ def schedule_step(ddps: list, optimizer, microbatches: list, forward_fn, loss_fn
     pipelining, 1F1B, or interleaved for several chunks) over `microbatches`, then, unless
     forward_only, optimizer.step(). forward_fn(model, microbatch) -> the chunk's output;
     loss_fn(output, microbatch) -> scalar loss (called on the last stage only). seq_length: the
-    tokens per microbatch that stages send each other (all of them, before sequence parallelism
-    splits them; micro batch size 1). Returns the last stage's per-microbatch losses (unscaled),
+    tokens per microbatch that stages send each other (whole sequences: the schedule divides them
+    by the context- and, under sequence parallelism, tensor-parallel sizes; micro batch size 1). Returns the last stage's per-microbatch losses (unscaled),
     [] on other stages."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -221,6 +228,8 @@ def schedule_step(ddps: list, optimizer, microbatches: list, forward_fn, loss_fn
         for d in ddps:
             if d.use_forward_hook and not d.remove_forward_pre_hook_handles:
                 d.enable_forward_pre_hook()
+        config = ddps[0].module.config
+        config.param_sync_func = getattr(config, "harness_param_sync_func", None)
     return [float(r["loss"]) for r in reduced]
 
 

@@ -1,7 +1,8 @@
 """Spawned-rank harness for dispatcher tests: stock Megatron-Core MoELayers on gloo (CPU).
 
 `spawn(fn, world, *args)` runs fn(rank, world, *args) in `world` processes with torch.distributed
-(gloo) and Megatron's parallel state initialized (EP = world unless `ep` says otherwise); a failure on any rank fails the call.
+(gloo) and Megatron's parallel state initialized (EP = world unless `ep` or a pipeline says
+otherwise); a failure on any rank fails the call.
 """
 from __future__ import annotations
 
@@ -34,9 +35,11 @@ def _entry(rank, world, store, fn, args, errq, megatron=True, ep=None, parallel=
             cpu_shims.apply()
             from megatron.core import parallel_state as ps
 
-            ps.initialize_model_parallel(expert_model_parallel_size=ep or world,
+            parallel = parallel or {}
+            stage = world // parallel.get("pipeline_model_parallel_size", 1)
+            ps.initialize_model_parallel(expert_model_parallel_size=ep or stage,
                                          distributed_timeout_minutes=int(TIMEOUT.total_seconds() // 60),
-                                         **(parallel or {}))
+                                         **parallel)
         fn(rank, world, *args)
     except BaseException:
         errq.put(f"rank {rank}:\n{traceback.format_exc()}")
@@ -47,9 +50,10 @@ def _entry(rank, world, store, fn, args, errq, megatron=True, ep=None, parallel=
 
 def spawn(fn, world: int, *args, megatron: bool = True, ep: int | None = None, parallel: dict | None = None) -> None:
     """megatron=False: plain gloo ranks (no Megatron import, no parallel state) for comm-only tests.
-    ep: the expert-parallel size (default world); world / ep expert-data-parallel replicas (per
-    pipeline stage). parallel: more keywords of `initialize_model_parallel` (tensor / pipeline /
-    virtual pipeline sizes, expert_tensor_parallel_size)."""
+    ep: the expert-parallel size (default: the ranks of a pipeline stage); world / (pp x ep) expert-
+    data-parallel replicas per stage. parallel: more keywords of `initialize_model_parallel`
+    (tensor, context, pipeline, virtual pipeline sizes, expert_tensor_parallel_size; not
+    expert_model_parallel_size, which is `ep`)."""
     ctx = mp.get_context("spawn")
     errq = ctx.SimpleQueue()
     try:

@@ -123,8 +123,8 @@ def _microbatches(step: int, c: dict, u: torch.Tensor, scale: float = 1.0) -> li
 
     g = torch.Generator().manual_seed(1000 * ps.get_data_parallel_rank() + step + c["seed"] % 997)
     out, E, T = [], c["experts"], c["tokens"]
-    n, i = c.get("tp", 1) * c.get("cp", 1), ps.get_context_parallel_rank() * c.get("tp", 1) + \
-        ps.get_tensor_model_parallel_rank()
+    n = c.get("tp", 1) * c.get("cp", 1)  # parts of a sequence: CP ranks', each split over TP ranks
+    i = ps.get_context_parallel_rank() * c.get("tp", 1) + ps.get_tensor_model_parallel_rank()
     part = slice(i * T // n, (i + 1) * T // n)
     for m in range(c["micro"][step]):
         hot = (step + m) % E

@@ -147,6 +147,10 @@ def test_tensor_parallel_rules():
             "tensor parallelism (tensor_model_parallel_size 2) only with sequence parallelism") in msg
     assert ("parallelism.expert_tensor_parallel_size: 2 (null: tensor_model_parallel_size, Megatron's default), but "
             "a balancer moves whole experts: set 1") in msg
+    # the other rules are checked as they will hold with ETP 1: no advice that setting it would undo
+    msg = _errors(M8x7, ["parallelism.tensor_model_parallel_size=2", "parallelism.sequence_parallel=true",
+                         "balancer.ranks_per_node=8"])
+    assert "expert_tensor_parallel_size: 2" in msg and "ranks_per_node" not in msg and "not divisible" not in msg, msg
     ok = ["parallelism.tensor_model_parallel_size=2", "parallelism.pipeline_model_parallel_size=2",
           "parallelism.sequence_parallel=true"]
     assert load_any(M8x7, ok + ["parallelism.expert_tensor_parallel_size=1"]).parallelism.sequence_parallel

@@ -74,6 +74,8 @@ def _summary(obj) -> str:
 def _after(lead: str, text: str, indent: str) -> str:
     """`lead` (a path: never broken, so the line can be searched for it whole), then `text`
     wrapped at WIDTH columns, its further lines indented by `indent`."""
+    if not text.strip():
+        return lead
     kw = dict(subsequent_indent=indent, break_long_words=False, break_on_hyphens=False)
     if len(lead) + 1 + len(text.split(" ", 1)[0]) > WIDTH:  # a long path: the text below it
         return lead + "\n" + textwrap.fill(text, WIDTH, initial_indent=indent, **kw)

@@ -37,6 +37,11 @@ def check_run(cfg, where: str, origin: dict):
                       p.expert_model_parallel_size)
     etp = p.expert_tensor_parallel_size or tp
     G = topo.gpus_per_node
+    if bal is not None and etp != 1:  # the dispatcher refuses it when the model is built
+        src = "" if p.expert_tensor_parallel_size else " (null: tensor_model_parallel_size, Megatron's default)"
+        err("parallelism.expert_tensor_parallel_size", f"{etp}{src}, but a balancer moves whole experts: set 1 "
+            "(expert-parallel groups may span tensor-parallel ranks), or balancer: null for stock Megatron-Core")
+        etp = 1  # the rules below as they will hold once it is set, not errors that setting it removes
 
     # topology x parallel sizes
     if topo.nodes and topo.nodes != p.nodes:
@@ -90,10 +95,6 @@ def check_run(cfg, where: str, origin: dict):
     # balancer x expert-parallel group
     G_ep = ep_ranks_per_node(G, ep, etp)
     if bal is not None:
-        if etp != 1:  # the dispatcher refuses it when the model is built
-            src = "" if p.expert_tensor_parallel_size else " (null: tensor_model_parallel_size, Megatron's default)"
-            err("parallelism.expert_tensor_parallel_size", f"{etp}{src}, but a balancer moves whole experts: set 1 "
-                "(expert-parallel groups may span tensor-parallel ranks), or balancer: null for stock Megatron-Core")
         if m.moe_token_dispatcher_type != "alltoall":
             err("model.moe_token_dispatcher_type", f"{m.moe_token_dispatcher_type!r}, but a balancer replaces the "
                 "alltoall dispatcher: set alltoall, or balancer: null for stock Megatron-Core")

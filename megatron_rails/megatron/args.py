@@ -119,11 +119,12 @@ def check_megatron_args(args, cfg: PolicyConfig) -> None:
         raise ConfigError(f"--moe-balancer {cfg.policy} needs an MoE model: pass --num-experts")
     # Megatron-LM's validation sets a missing expert TP size to the TP size; the dispatcher would
     # refuse it when the model is built, after minutes of start-up
-    etp = getattr(args, "expert_tensor_parallel_size", None) or getattr(args, "tensor_model_parallel_size", 1) or 1
-    if int(etp) != 1:
+    given = getattr(args, "expert_tensor_parallel_size", None)
+    etp = int(given or getattr(args, "tensor_model_parallel_size", 1) or 1)
+    if etp != 1:
+        src = "" if given else ", Megatron's default: --tensor-model-parallel-size"
         raise ConfigError(f"--moe-balancer {cfg.policy} moves whole experts: pass --expert-tensor-parallel-size 1 "
-                          f"(got {etp}; Megatron's default is --tensor-model-parallel-size); expert-parallel groups "
-                          "may span tensor-parallel ranks")
+                          f"(got {etp}{src}); expert-parallel groups may span tensor-parallel ranks")
 
 
 def install_from_args(args, *, quiet: bool = False) -> PolicyConfig | None:
