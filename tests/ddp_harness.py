@@ -199,8 +199,8 @@ def schedule_step(ddps: list, optimizer, microbatches: list, forward_fn, loss_fn
     forward_only, optimizer.step(). forward_fn(model, microbatch) -> the chunk's output;
     loss_fn(output, microbatch) -> scalar loss (called on the last stage only). seq_length: the
     tokens per microbatch that stages send each other (whole sequences: the schedule divides them
-    by the context- and, under sequence parallelism, tensor-parallel sizes; micro batch size 1). Returns the last stage's per-microbatch losses (unscaled),
-    [] on other stages."""
+    by the context- and, under sequence parallelism, tensor-parallel sizes; micro batch size 1).
+    Returns the last stage's per-microbatch losses (unscaled), [] on other stages."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     if not forward_only:
