@@ -78,18 +78,24 @@ def cpu_megatron():
     if torch.cuda.is_available():
         yield
         return
-    old = torch.cuda.current_device, torch.cuda.current_stream, torch.cuda.synchronize
+    old = (torch.cuda.current_device, torch.cuda.current_stream, torch.cuda.synchronize, torch.cuda.Stream,
+           torch.cuda.stream)
     # DDP and the distributed optimizer allocate their buffers on torch.cuda.current_device()
     torch.cuda.current_device = lambda: torch.device("cpu")
     # 0.19: every grad reduction first makes the current stream wait for CUDA-graph wgrad events
     torch.cuda.current_stream = lambda device=None: _HostStream()
     # dist_checkpointing's torch_dist save syncs the device before writing its staged copies
     torch.cuda.synchronize = lambda device=None: None
+    # --moe-shared-expert-overlap runs the shared experts on a stream of their own, made and entered
+    # through torch.cuda: on the host every stream is the one stream
+    torch.cuda.Stream = lambda *args, **kwargs: _HostStream()
+    torch.cuda.stream = lambda stream: contextlib.nullcontext()
     try:
         with _CudaAsCpu():
             yield
     finally:
-        torch.cuda.current_device, torch.cuda.current_stream, torch.cuda.synchronize = old
+        (torch.cuda.current_device, torch.cuda.current_stream, torch.cuda.synchronize, torch.cuda.Stream,
+         torch.cuda.stream) = old
 
 
 def chunk(config, module, pipeline: bool = False):

@@ -15,7 +15,9 @@ CP rank holds part of every sequence; EP groups may span CP ranks). --pp runs Me
 pipeline schedules: each case draws 1 or 2 model chunks per stage (1F1B or the interleaved
 schedule), each chunk one MoE layer plus its input (a residual: without it every layer's output,
 and any error in it, would shrink layer by layer); the losses are the last stage's, the evaluation
-runs the forward-only schedule.
+runs the forward-only schedule. --features also draws Megatron MoE features per case: shared
+experts (in the rails run overlapped inside the dispatcher or not), capacity drops (probs or
+position), sigmoid scores with the aux-loss-free expert bias, linear biases, the load-balancing loss.
 
     python tests/sweep_training.py --world 4 --ep 2 --cases 0:40
     python tests/sweep_training.py --world 4 --tp 2 --pp 2 --cases 0:30
@@ -40,10 +42,10 @@ HIDDEN, FFN, STEPS = 16, 24, 3
 POLICIES = ("none", "eplb", "ultraep", "lp", "fsep", "default")
 
 
-def draw(ep: int, world: int, case: int, tp: int = 1, pp: int = 1, cp: int = 1) -> dict:
+def draw(ep: int, world: int, case: int, tp: int = 1, pp: int = 1, cp: int = 1, features: bool = False) -> dict:
     """Case `case`'s configuration (the same on every rank; ep: expert-parallel size; tp, pp, cp:
     tensor (with sequence parallelism, experts not tensor-parallel), pipeline and context parallel
-    sizes)."""
+    sizes; features: also draw Megatron MoE features, on top of the same case without them)."""
     r = np.random.default_rng([world, ep, case] if tp == pp == cp == 1 else
                               [world, ep, case, tp, pp] + ([cp] if cp > 1 else []))
     E = ep * int(r.integers(1, 4))
@@ -67,13 +69,42 @@ def draw(ep: int, world: int, case: int, tp: int = 1, pp: int = 1, cp: int = 1) 
         c["tokens"] = tp * cp * -(-c["tokens"] // (tp * cp))
         if c["vpp"] > 1:
             c["micro"] = [pp * int(r.integers(1, 3)) for _ in range(STEPS)]
+    if features:
+        f = np.random.default_rng([world, ep, case, tp, pp, cp, 99])
+        c["features"] = {name: value for name, value in (
+            ("shared", bool(f.integers(2))),  # shared experts; True: overlapped inside our dispatcher
+            ("capacity", str(f.choice(["probs", "position"]))),  # router-side drops at capacity 1
+            ("sigmoid_bias", True),  # sigmoid scores with the aux-loss-free expert bias
+            ("bias", True),  # linear biases in the experts
+            ("aux_loss", True),  # Megatron's load-balancing loss on the router
+        ) if f.integers(2)}
+        if "shared" in c["features"]:  # Megatron's shared experts take no biases
+            c["features"].pop("bias", None)
     return c
+
+
+def _features(dispatcher: str, c: dict) -> dict:
+    """TransformerConfig keywords for the case's drawn features (see draw)."""
+    f, kw = c.get("features", {}), {}
+    if "shared" in f:
+        kw.update(moe_shared_expert_intermediate_size=FFN)
+        if f["shared"] and dispatcher == "alltoall":  # the stock reference runs them unoverlapped
+            kw.update(moe_shared_expert_overlap=True)
+    if "capacity" in f:
+        kw.update(moe_expert_capacity_factor=1.0, moe_token_drop_policy=f["capacity"])
+    if "sigmoid_bias" in f:
+        kw.update(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True, moe_router_pre_softmax=False)
+    if "bias" in f:
+        kw.update(add_bias_linear=True)
+    if "aux_loss" in f:
+        kw.update(moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=0.01)
+    return kw
 
 
 def _config(ep: int, dispatcher: str, c: dict):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    return TransformerConfig(
+    kw = dict(
         hidden_size=HIDDEN, num_attention_heads=2, num_moe_experts=c["experts"],
         moe_router_topk=c["topk"], moe_token_dispatcher_type=dispatcher, ffn_hidden_size=FFN,
         moe_ffn_hidden_size=FFN, add_bias_linear=False, expert_model_parallel_size=ep,
@@ -85,6 +116,7 @@ def _config(ep: int, dispatcher: str, c: dict):
         activation_func=torch.nn.functional.silu if c["glu"] else torch.nn.functional.gelu,
         bias_activation_fusion=False, moe_router_load_balancing_type="none", init_method_std=0.2,
         moe_router_pre_softmax=c["topk"] == 1)
+    return TransformerConfig(**{**kw, **_features(dispatcher, c)})
 
 
 def _chunks(ep: int, c: dict, u: torch.Tensor, rails) -> list:
@@ -111,6 +143,12 @@ def _chunks(ep: int, c: dict, u: torch.Tensor, rails) -> list:
                 megatron_rails.uninstall()
         with torch.no_grad():
             layer.router.weight.add_(c["skew"] * u)
+        if rails is None:
+            # stock Megatron-Core sums `sequence_parallel` gradients over the TP group, experts' fc2
+            # biases included, though with expert TP 1 those ranks hold different experts
+            # (tests/test_tp_expert_bias.py): the reference is stock without that sum
+            for param in layer.experts.parameters():
+                param.sequence_parallel = False
         out.append(chunk(cfg, layer, pipeline=pp > 1))
     return out
 
@@ -197,19 +235,20 @@ def run_case(rank: int, ep: int, c: dict) -> None:
                                    msg=lambda m: f"rank {rank} step {k}: inference_mode forward\n{m}")
 
 
-def _worker(rank: int, world: int, ep: int, cases: list, tp: int = 1, pp: int = 1, cp: int = 1) -> None:
+def _worker(rank: int, world: int, ep: int, cases: list, tp: int = 1, pp: int = 1, cp: int = 1,
+            features: bool = False) -> None:
     from ddp_harness import cpu_megatron
 
     with cpu_megatron():
         for case in cases:
-            run_case(rank, ep, draw(ep, world, case, tp, pp, cp))
+            run_case(rank, ep, draw(ep, world, case, tp, pp, cp, features))
 
 
-def run(world: int, ep: int, case: int, tp: int = 1, pp: int = 1, cp: int = 1) -> None:
+def run(world: int, ep: int, case: int, tp: int = 1, pp: int = 1, cp: int = 1, features: bool = False) -> None:
     """One case on `world` spawned ranks (raises on a mismatch). world = tp x cp x pp x data-
     parallel; ep divides world / pp (experts are neither tensor- nor context-parallel)."""
-    vpp = draw(ep, world, case, tp, pp, cp).get("vpp", 1)
-    spawn(_worker, world, ep, [case], tp, pp, cp, ep=ep,
+    vpp = draw(ep, world, case, tp, pp, cp, features).get("vpp", 1)
+    spawn(_worker, world, ep, [case], tp, pp, cp, features, ep=ep,
           parallel=dict(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp,
                         expert_tensor_parallel_size=1,
                         virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None))
@@ -225,6 +264,8 @@ def main(argv=None) -> int:
                     "stage: 1F1B or the interleaved schedule)")
     ap.add_argument("--cp", type=int, default=1, help="context-parallel size (each CP rank holds part of every "
                     "sequence; EP groups may span CP ranks)")
+    ap.add_argument("--features", action="store_true", help="also draw Megatron MoE features: shared experts "
+                    "(overlapped or not), capacity drops, sigmoid scores with expert bias, linear biases, aux loss")
     ap.add_argument("--cases", default="0:20", help="case numbers FIRST:END (END excluded)")
     args = ap.parse_args(argv)
     if args.world % (args.tp * args.pp * args.cp):
@@ -235,9 +276,9 @@ def main(argv=None) -> int:
     first, end = (int(v) for v in args.cases.split(":"))
     failed = 0
     for case in range(first, end):
-        c = draw(ep, args.world, case, args.tp, args.pp, args.cp)
+        c = draw(ep, args.world, case, args.tp, args.pp, args.cp, args.features)
         try:
-            run(args.world, ep, case, args.tp, args.pp, args.cp)
+            run(args.world, ep, case, args.tp, args.pp, args.cp, args.features)
             print(f"ok   {c}", flush=True)
         except BaseException as err:  # noqa: BLE001 -- report and go on with the next case
             if isinstance(err, KeyboardInterrupt):

@@ -82,24 +82,14 @@ def test_parity_across_moe_settings():
     spawn(_worker, 4, 2)  # per setting and policy: one near-uniform routing, one skewed
 
 
-class _OneStream:
-    """What SharedExpertMLP asks of torch.cuda's streams, on the host: there is one stream, so
-    ordering one behind another is nothing to do."""
-
-    def wait_stream(self, _other):
-        pass
-
-
 def _overlap_worker(rank, world):
-    import contextlib
+    from ddp_harness import cpu_megatron
 
-    # --moe-shared-expert-overlap runs the shared experts on a CUDA stream of their own, made and
-    # entered through torch.cuda: on the host every stream is the one stream
-    torch.cuda.Stream = _OneStream
-    torch.cuda.current_stream = lambda *args, **kwargs: _OneStream()
-    torch.cuda.stream = lambda _stream: contextlib.nullcontext()
+    # --moe-shared-expert-overlap runs the shared experts on a CUDA stream of their own: under
+    # cpu_megatron every stream is the host's one stream
     shared = {"shared-experts-overlapped": dict(moe_shared_expert_intermediate_size=24)}
-    _worker(rank, world, 2, shared, dict(moe_shared_expert_overlap=True))
+    with cpu_megatron():
+        _worker(rank, world, 2, shared, dict(moe_shared_expert_overlap=True))
 
 
 def test_shared_experts_overlapped_with_the_dispatcher_match_stock():

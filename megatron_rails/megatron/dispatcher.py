@@ -87,6 +87,7 @@ class RailsTokenDispatcher(MoETokenDispatcher):
         """Take over the layer's experts (any kind expert_kinds.py supports); `layer`, the MoELayer,
         gives the layer number for Megatron's metric tracker (held by weak reference)."""
         self._layer = rails_metrics.layer_ref(layer)
+        _unmark_sequence_parallel(experts, self.config)
         # DDP's lazy parameter all-gathers finish before the stores read expert weights
         self.runtime.attach(expert_kind(experts), before_read=wait_param_gather)
         if self.runtime.policy.sharded:
@@ -145,6 +146,20 @@ class RailsTokenDispatcher(MoETokenDispatcher):
         wait = getattr(self.shared_experts, "wait_current_stream", None)
         if wait is not None:
             wait()
+
+
+def _unmark_sequence_parallel(experts: torch.nn.Module, config) -> None:
+    """Under tensor parallelism with sequence parallelism Megatron-Core marks a RowParallelLinear's
+    bias `sequence_parallel`, expert ones included, and finalize_model_grads sums such gradients
+    over the tensor-parallel group: right for a bias every TP rank holds whole (each saw part of the
+    tokens), wrong for experts that are not tensor-parallel (expert TP 1, which this dispatcher
+    requires): the ranks of a TP group then hold different experts (or replicas DDP reduces over
+    the expert-data-parallel group anyway), so the sum mixes other experts' bias gradients into
+    each one's. Seen in megatron-core 0.16.1 and 0.19.2 with the stock dispatchers alike."""
+    if getattr(config, "sequence_parallel", False) and config.tensor_model_parallel_size > 1:
+        for param in experts.parameters():
+            if getattr(param, "sequence_parallel", False):
+                param.sequence_parallel = False
 
 
 def _skip_empty_stock_experts(experts: torch.nn.Module) -> None:
