@@ -6,7 +6,8 @@ schedule (2 stages x 2 model chunks): case 10 (fsep, overlap_grad_reduce, the di
 optimizer, recompute) and, under tensor parallelism with sequence parallelism and an EP group
 spanning the TP pair, case 18 (the default config, overlap_grad_reduce, recompute); and the 1F1B
 schedule under context parallelism with the EP group spanning the CP pair: case 0 (lp,
-overlap_grad_reduce, the distributed optimizer, recompute)."""
+overlap_grad_reduce, the distributed optimizer, recompute); and, with Megatron MoE features drawn,
+case 7 at EP 2 (fsep, shared experts overlapped inside the dispatcher, capacity drops, aux loss)."""
 import pytest
 
 import sweep_training
@@ -17,12 +18,16 @@ CASES = {  # (world, ep, case, tp, pp, cp): what the case is there for
     (4, 2, 10, 1, 2, 1): dict(policy="fsep", vpp=2, overlap_grad_reduce=True, distopt=True, recompute=True),
     (4, 2, 18, 2, 2, 1): dict(policy="default", vpp=2, overlap_grad_reduce=True, recompute=True),
     (4, 2, 0, 1, 2, 2): dict(policy="lp", vpp=1, overlap_grad_reduce=True, distopt=True, recompute=True),
+    # with features drawn (the last key)
+    (2, 2, 7, 1, 1, 1, True): dict(policy="fsep", recompute=True,
+                                   features={"shared": True, "capacity": "probs", "aux_loss": True}),
 }
 
 
-@pytest.mark.parametrize("world,ep,case,tp,pp,cp", list(CASES))
-def test_sweep_case_trains_like_stock(world, ep, case, tp, pp, cp):
-    c = sweep_training.draw(ep, world, case, tp, pp, cp)
-    want = CASES[world, ep, case, tp, pp, cp]
+@pytest.mark.parametrize("key", list(CASES), ids=lambda key: "-".join(map(str, key)))
+def test_sweep_case_trains_like_stock(key):
+    world, ep, case, tp, pp, cp, *features = key
+    c = sweep_training.draw(ep, world, case, tp, pp, cp, *features)
+    want = CASES[key]
     assert {k: c[k] for k in want} == want, c
-    sweep_training.run(world, ep, case, tp, pp, cp)
+    sweep_training.run(world, ep, case, tp, pp, cp, *features)
