@@ -216,22 +216,18 @@ def run_case(rank: int, ep: int, c: dict) -> None:
         # an evaluation forward between steps: no optimizer, no backward
         # (the interleaved schedule wants at least pp microbatches; the step's first ones, scaled)
         evals = _microbatches(k, c, u, scale=1.1)[:c.get("pp", 1)]
-        if c.get("pp", 1) == 1:  # the output itself
-            x = evals[0][0]
-            with torch.no_grad():
-                want, got = runs["stock"][0][0](x), runs["rails"][0][0](x)
-            torch.testing.assert_close(got, want, **close, msg=lambda m: f"rank {rank} step {k}: no_grad forward\n{m}")
-            with torch.inference_mode():
-                got = runs["rails"][0][0](x)
-        else:  # through the pipeline: the last stage's loss
-            with torch.no_grad():
-                want, got = step("stock", evals, True), step("rails", evals, True)
-            torch.testing.assert_close(torch.tensor(got), torch.tensor(want), **close,
-                                       msg=lambda m: f"rank {rank} step {k}: no_grad forward\n{m}")
-            with torch.inference_mode():
-                got = step("rails", evals, True)
-        torch.testing.assert_close(torch.tensor(got) if isinstance(got, list) else got,
-                                   torch.tensor(want) if isinstance(want, list) else want, **close,
+
+        def evaluate(name):
+            if c.get("pp", 1) == 1:  # the output itself
+                return runs[name][0][0](evals[0][0])
+            return torch.tensor(step(name, evals, True))  # through the pipeline: the last stage's losses
+
+        with torch.no_grad():
+            want, got = evaluate("stock"), evaluate("rails")
+        torch.testing.assert_close(got, want, **close, msg=lambda m: f"rank {rank} step {k}: no_grad forward\n{m}")
+        with torch.inference_mode():
+            got = evaluate("rails")
+        torch.testing.assert_close(got, want, **close,
                                    msg=lambda m: f"rank {rank} step {k}: inference_mode forward\n{m}")
 
 
