@@ -9,13 +9,15 @@
 #   b. two ranks on the same GPU, gloo, EP=2:   ep2-stock, ep2-none, ... ep2-lp
 #
 # Each run's full log goes to OUTDIR/<name>.log (its command line to OUTDIR/<name>.cmd, its exit status
-# to OUTDIR/<name>.rc); a failing run never stops the script. Then scripts/pretrain_loss_table.py OUTDIR
+# to OUTDIR/<name>.rc); a failing run never stops the script (but a failed multi-rank stock run skips
+# that world size's policy runs, which would have nothing to compare with, unless GLOO_RUN_ALL=1). Then scripts/pretrain_loss_table.py OUTDIR
 # compares every run's per-iteration lm loss with the stock run of the same world size (OUTDIR/table.md).
 #
 # Environment knobs: EXTRA_ARGS (appended to every run's arguments), PYTHON (python3), ITERS (50), RUN_TIMEOUT (150 s per run), POLICIES, WORLDS ("1 2"),
 # DETERMINISTIC (1: --deterministic-mode), PRINT_ONLY=1 (print each run's command line and exit: used by the
 # CPU dry test), SITE (/tmp/gpu_check_site: where wheels carried in .whl/ are unpacked), PORT_BASE (29400),
-# SETUP_ONLY=1 (unpack, build Megatron's dataset helpers, then exit: before instances run side by side).
+# SETUP_ONLY=1 (unpack, build Megatron's dataset helpers, then exit: before instances run side by side),
+# GLOO_RUN_ALL=1 (run a world size's policy runs even when its stock run failed).
 set -u
 
 usage() { echo "usage: bash scripts/gpu_pretrain_check.sh MEGATRON_LM_DIR [OUTDIR]" >&2; exit 2; }

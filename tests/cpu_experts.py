@@ -72,11 +72,15 @@ class CpuGroupedLinear(torch.nn.Module):
         for i in range(num_gemms):
             w = torch.nn.Parameter(torch.empty(output_size, input_size, dtype=config.params_dtype))
             init_method(w)
-            w.allreduce = not config.expert_model_parallel_size > 1
             self.register_parameter(f"weight{i}", w)
             if bias:
                 b = torch.nn.Parameter(0.1 * torch.randn(output_size, dtype=config.params_dtype))
                 self.register_parameter(f"bias{i}", b)
+        # as TEGroupedLinear marks them, biases included: expert parameters are reduced over the
+        # expert-data-parallel group (allreduce False), not with the dense ones over all data-parallel
+        # ranks, which hold other experts
+        for p in self.parameters():
+            p.allreduce = not (is_expert and config.expert_model_parallel_size > 1)
 
     def forward(self, x, m_splits):
         outs = []

@@ -18,11 +18,16 @@ and any error in it, would shrink layer by layer); the losses are the last stage
 runs the forward-only schedule. --features also draws Megatron MoE features per case: shared
 experts (in the rails run overlapped inside the dispatcher or not), capacity drops (probs or
 position), sigmoid scores with the aux-loss-free expert bias, linear biases, the load-balancing loss.
+--grouped builds the experts as grouped modules instead of SequentialMLP, what GPU runs use: each
+case draws TEGroupedMLP (over tests/cpu_experts.py's stand-in for Transformer Engine's
+GroupedLinear, with or without its fused weight-gradient accumulation into DDP's main_grad) or,
+where the megatron-core has it, the legacy GroupedMLP (over a reference grouped_gemm).
 
     python tests/sweep_training.py --world 4 --ep 2 --cases 0:40
     python tests/sweep_training.py --world 4 --tp 2 --pp 2 --cases 0:30
+    python tests/sweep_training.py --world 4 --ep 2 --grouped --features --cases 0:20
 
-Not collected by pytest (tests/test_sweep_training.py runs four of its cases); a failing case prints
+Not collected by pytest (tests/test_sweep_training.py runs seven of its cases); a failing case prints
 its configuration and the first mismatch, and the sweep goes on with the next.
 """
 from __future__ import annotations
@@ -42,10 +47,12 @@ HIDDEN, FFN, STEPS = 16, 24, 3
 POLICIES = ("none", "eplb", "ultraep", "lp", "fsep", "default")
 
 
-def draw(ep: int, world: int, case: int, tp: int = 1, pp: int = 1, cp: int = 1, features: bool = False) -> dict:
+def draw(ep: int, world: int, case: int, tp: int = 1, pp: int = 1, cp: int = 1, features: bool = False,
+         grouped: bool = False) -> dict:
     """Case `case`'s configuration (the same on every rank; ep: expert-parallel size; tp, pp, cp:
     tensor (with sequence parallelism, experts not tensor-parallel), pipeline and context parallel
-    sizes; features: also draw Megatron MoE features, on top of the same case without them)."""
+    sizes; features: also draw Megatron MoE features, grouped: grouped expert modules, each on top
+    of the same case without them)."""
     r = np.random.default_rng([world, ep, case] if tp == pp == cp == 1 else
                               [world, ep, case, tp, pp] + ([cp] if cp > 1 else []))
     E = ep * int(r.integers(1, 4))
@@ -80,7 +87,22 @@ def draw(ep: int, world: int, case: int, tp: int = 1, pp: int = 1, cp: int = 1, 
         ) if f.integers(2)}
         if "shared" in c["features"]:  # Megatron's shared experts take no biases
             c["features"].pop("bias", None)
+    if grouped:
+        g = np.random.default_rng([world, ep, case, tp, pp, cp, 98])
+        legacy, fuse = bool(g.integers(2)), bool(g.integers(2))  # both drawn: the same stream everywhere
+        c["module"] = "grouped" if legacy and _has_legacy_grouped_mlp() else "te"
+        if c["module"] == "te":
+            c["fuse_wgrad"] = fuse
+        else:  # GroupedMLP has no linear biases
+            c.get("features", {}).pop("bias", None)
     return c
+
+
+def _has_legacy_grouped_mlp() -> bool:
+    """Whether this megatron-core has the legacy GroupedMLP (0.16 does; 0.19 removed it)."""
+    from megatron.core.transformer.moe import experts
+
+    return hasattr(experts, "GroupedMLP")
 
 
 def _features(dispatcher: str, c: dict) -> dict:
@@ -116,7 +138,25 @@ def _config(ep: int, dispatcher: str, c: dict):
         activation_func=torch.nn.functional.silu if c["glu"] else torch.nn.functional.gelu,
         bias_activation_fusion=False, moe_router_load_balancing_type="none", init_method_std=0.2,
         moe_router_pre_softmax=c["topk"] == 1)
+    if c.get("module") == "grouped":  # GroupedMLP asserts bf16 (the parameters stay fp32 here)
+        kw.update(moe_grouped_gemm=True, bf16=True)
     return TransformerConfig(**{**kw, **_features(dispatcher, c)})
+
+
+def _build(cfg, c: dict):
+    """A MoELayer for `cfg` with the case's expert module: SequentialMLP, TEGroupedMLP over the CPU
+    GroupedLinear stand-in, or the legacy GroupedMLP (over the reference grouped_gemm)."""
+    from megatron.core.transformer.moe import experts as mx
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    from cpu_experts import CpuGroupedLinear
+    from megatron_rails.megatron.compat import build_moe_layer, grouped_experts_spec, moe_submodules
+
+    if c.get("module") != "te":
+        return build_moe_layer(cfg, grouped_gemm=c.get("module") == "grouped")
+    subs = moe_submodules(cfg.num_moe_experts)
+    subs.experts = grouped_experts_spec(mx.TEGroupedMLP, CpuGroupedLinear, CpuGroupedLinear)
+    return MoELayer(cfg, subs)
 
 
 def _chunks(ep: int, c: dict, u: torch.Tensor, rails) -> list:
@@ -126,7 +166,6 @@ def _chunks(ep: int, c: dict, u: torch.Tensor, rails) -> list:
     from megatron.core import parallel_state as ps
 
     from ddp_harness import chunk
-    from moe_harness import build_moe_layer
 
     # stock: the allgather dispatcher (every rank has the same token count here)
     cfg = _config(ep, "allgather" if rails is None else "alltoall", c)
@@ -137,7 +176,7 @@ def _chunks(ep: int, c: dict, u: torch.Tensor, rails) -> list:
         if rails is not None:
             megatron_rails.install(rails)
         try:
-            layer = build_moe_layer(cfg)
+            layer = _build(cfg, c)
         finally:
             if rails is not None:
                 megatron_rails.uninstall()
@@ -176,8 +215,12 @@ def run_case(rank: int, ep: int, c: dict) -> None:
     """Train case `c` with both dispatchers; AssertionError at the first mismatch."""
     from megatron.core import tensor_parallel
 
+    from cpu_experts import CpuGroupedLinear
     from ddp_harness import full_params, megatron_ddp, schedule_step
 
+    # TE's fused weight-gradient accumulation: the stock experts' weight gradients go straight into
+    # DDP's main_grad (both runs; the rails run's slots borrow weights through their own path)
+    CpuGroupedLinear.fuse_wgrad = c.get("fuse_wgrad", False)
     u = torch.tensor(np.random.default_rng(c["seed"]).standard_normal((c["experts"], HIDDEN)), dtype=torch.float32)
     u /= u.norm(dim=1, keepdim=True)
     models = {"stock": _chunks(ep, c, u, None), "rails": _chunks(ep, c, u, c.get("rails", "default"))}
@@ -232,19 +275,26 @@ def run_case(rank: int, ep: int, c: dict) -> None:
 
 
 def _worker(rank: int, world: int, ep: int, cases: list, tp: int = 1, pp: int = 1, cp: int = 1,
-            features: bool = False) -> None:
+            features: bool = False, grouped: bool = False) -> None:
+    import torch._dynamo
+
+    from cpu_experts import install_fake_grouped_gemm
     from ddp_harness import cpu_megatron
 
+    if grouped:
+        install_fake_grouped_gemm()  # the legacy GroupedMLP's grouped_gemm, in plain torch
+        torch._dynamo.config.disable = True  # Megatron's jit_fuser in the grouped modules: compile time only
     with cpu_megatron():
         for case in cases:
-            run_case(rank, ep, draw(ep, world, case, tp, pp, cp, features))
+            run_case(rank, ep, draw(ep, world, case, tp, pp, cp, features, grouped))
 
 
-def run(world: int, ep: int, case: int, tp: int = 1, pp: int = 1, cp: int = 1, features: bool = False) -> None:
+def run(world: int, ep: int, case: int, tp: int = 1, pp: int = 1, cp: int = 1, features: bool = False,
+        grouped: bool = False) -> None:
     """One case on `world` spawned ranks (raises on a mismatch). world = tp x cp x pp x data-
     parallel; ep divides world / pp (experts are neither tensor- nor context-parallel)."""
-    vpp = draw(ep, world, case, tp, pp, cp, features).get("vpp", 1)
-    spawn(_worker, world, ep, [case], tp, pp, cp, features, ep=ep,
+    vpp = draw(ep, world, case, tp, pp, cp, features, grouped).get("vpp", 1)
+    spawn(_worker, world, ep, [case], tp, pp, cp, features, grouped, ep=ep,
           parallel=dict(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp,
                         expert_tensor_parallel_size=1,
                         virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None))
@@ -262,6 +312,8 @@ def main(argv=None) -> int:
                     "sequence; EP groups may span CP ranks)")
     ap.add_argument("--features", action="store_true", help="also draw Megatron MoE features: shared experts "
                     "(overlapped or not), capacity drops, sigmoid scores with expert bias, linear biases, aux loss")
+    ap.add_argument("--grouped", action="store_true", help="grouped expert modules: TEGroupedMLP over a CPU "
+                    "GroupedLinear (fused weight-gradient accumulation or not) or the legacy GroupedMLP")
     ap.add_argument("--cases", default="0:20", help="case numbers FIRST:END (END excluded)")
     args = ap.parse_args(argv)
     if args.world % (args.tp * args.pp * args.cp):
@@ -272,9 +324,9 @@ def main(argv=None) -> int:
     first, end = (int(v) for v in args.cases.split(":"))
     failed = 0
     for case in range(first, end):
-        c = draw(ep, args.world, case, args.tp, args.pp, args.cp, args.features)
+        c = draw(ep, args.world, case, args.tp, args.pp, args.cp, args.features, args.grouped)
         try:
-            run(args.world, ep, case, args.tp, args.pp, args.cp, args.features)
+            run(args.world, ep, case, args.tp, args.pp, args.cp, args.features, args.grouped)
             print(f"ok   {c}", flush=True)
         except BaseException as err:  # noqa: BLE001 -- report and go on with the next case
             if isinstance(err, KeyboardInterrupt):

@@ -116,7 +116,7 @@ def test_docs_precedence_example():
     """docs/megatron-lm.md: `--rails-config configs/policies/eplb.yaml --moe-balancer ultraep`."""
     cfg = policy_from_args(parse(["--rails-config", str(ROOT / "configs/policies/eplb.yaml"), "--moe-balancer",
                                   "ultraep"]))
-    assert (cfg.policy, cfg.slots, cfg.ranks_per_node) == ("ultraep", 2, 8)
+    assert (cfg.policy, cfg.slots, cfg.comm) == ("ultraep", 2, "direct")
 
 
 def test_balancer_alone_uses_policy_defaults():

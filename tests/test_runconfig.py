@@ -32,6 +32,22 @@ def test_every_shipped_config_validates(path, tmp_path):
         assert dataclasses.replace(load_run_config(f), source=obj.source) == obj
 
 
+RUNS = [p for p in ALL if p.parent.name not in ("policies", "topology")]
+PRESETS = sorted(p.stem for p in (ROOT / "configs" / "policies").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", RUNS, ids=lambda p: str(p.relative_to(ROOT / "configs")))
+def test_every_policy_preset_fits_every_run_config(path):
+    """docs/slurm.md: `balancer=NAME` swaps the policy of a run config; no preset fixes a node size
+    that contradicts the run's layout (they derive it: ranks_per_node 0)."""
+    base = load_run_config(path)
+    over = [] if base.balancer is not None else ["model.moe_token_dispatcher_type=alltoall"]
+    for name in PRESETS:
+        c = load_run_config(path, [f"balancer={name}", *over])
+        assert c.balancer.policy == load_any(ROOT / "configs" / "policies" / f"{name}.yaml").policy
+        assert 1 <= c.balancer.ranks_per_node <= c.parallelism.expert_model_parallel_size, (name, c.balancer)
+
+
 def test_mixtral_configs_say_the_published_shapes():
     a, b = load_run_config(M8x7), load_run_config(M8x22)
     m, p, t = a.model, a.parallelism, a.training

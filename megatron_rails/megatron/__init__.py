@@ -2,7 +2,7 @@
 
     dispatcher.py     RailsTokenDispatcher, Megatron-Core's dispatcher contract over runtime.layer
     install.py        install() / uninstall(): swap the dispatcher into MoELayer (no fork)
-    layers.py         RailsMoELayer and a GPT layer spec for own specs; metrics_summary
+    layers.py         rails_moe_layer_class(), rails_gpt_layer_local_spec() for own specs; metrics_summary
     expert_kinds.py   per-expert access to SequentialMLP, GroupedMLP, TEGroupedMLP
     fsep_checkpoint.py  fsep's shards (and their optimizer state) in distributed checkpoints
     compat.py         what differs between Megatron-Core versions; DDP's lazy parameter gathers
