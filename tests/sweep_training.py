@@ -235,6 +235,11 @@ def run_case(rank: int, ep: int, c: dict) -> None:
 
     def forward_fn(model, microbatch):
         x = model.module.stage_input(microbatch[0])
+        if not x.requires_grad:
+            # the data stands for a model's hidden states, which require grad (they come from the
+            # embedding); Megatron's checkpoint otherwise makes an output without a grad_fn, and no
+            # gradient would reach the layer's parameters under recompute
+            x = x.detach().requires_grad_(True)
         return tensor_parallel.checkpoint(lambda t: model(t), False, x) if c["recompute"] else model(x)
 
     def loss_fn(out, microbatch):
@@ -245,11 +250,18 @@ def run_case(rank: int, ep: int, c: dict) -> None:
         return schedule_step(ddps, opt, mbs, forward_fn, loss_fn, seq_length=c["tokens"], forward_only=forward_only)
 
     close = dict(rtol=1e-5, atol=1e-5)
+    initial = [{n: p.detach().clone() for n, p in m.layer.experts.named_parameters()} for m in models["stock"]]
     for k in range(STEPS):
         mbs = _microbatches(k, c, u)
         want, got = step("stock", mbs), step("rails", mbs)
         torch.testing.assert_close(torch.tensor(got), torch.tensor(want), **close,
                                    msg=lambda m: f"rank {rank} step {k}: losses\n{m}")
+        if k == 0 and not c["overlap_param_gather"]:  # else the update lands at the next forward
+            # equal parameters prove something only where training moved them (a harness that
+            # loses the gradients, as recompute over an input without grad did, trains nothing)
+            for v, (m, before) in enumerate(zip(models["stock"], initial)):
+                assert any(not torch.equal(p, before[n]) for n, p in m.layer.experts.named_parameters()), \
+                    f"rank {rank} chunk {v}: the stock experts' parameters did not change in step 0"
         if not c["overlap_param_gather"]:  # else the parameters are current only after the next forward
             for v, (mine, ddp) in enumerate(zip(models["rails"], runs["stock"][0])):
                 state = mine.layer.state_dict()  # stock layout (fsep assembles it from shards)

@@ -57,6 +57,9 @@ def _loss_fn(recompute):
 
     def loss(model, microbatch):
         x, y = microbatch
+        # hidden states require grad (as a model's do): else Megatron's checkpoint output has no
+        # grad_fn and no gradient reaches the layer under recompute
+        x = x.detach().requires_grad_(True)
         out = tensor_parallel.checkpoint(lambda t: model(t), False, x) if recompute else model(x)
         return ((out - y) ** 2).mean()
 
@@ -91,6 +94,7 @@ def _worker(rank, world, policies):
                                                  **(ADAM if kind == "adam" else {}))
                 disp = models[policy].layer.token_dispatcher
                 loss_fn = _loss_fn(recompute)
+                initial = {n: p.detach().clone() for n, p in models["stock"].layer.named_parameters()}
                 for step in range(len(MICRO)):
                     mbs = _microbatches(rank, step, u, H)
                     n_records = len(disp.metrics)
@@ -102,15 +106,16 @@ def _worker(rank, world, policies):
                     fetched = [r["slots_fetched"] for r in records]
                     assert len(records) == len(mbs) and fetched[0] and not any(fetched[1:]), \
                         f"{where} step {step}: slots fetched {fetched}"
-                    # main_grad holds the shards' gradient: the .grad DDP's hook sees costs no memory. (Under
-                    # reentrant recompute this check's own hook never sees the shards' AccumulateGrad run,
-                    # with the old idle gradient too, while DDP's does: checked without recompute)
-                    if policy == "fsep" and not recompute:
+                    # main_grad holds the shards' gradient: the .grad DDP's hook sees costs no memory
+                    if policy == "fsep":
                         took = max([b or 0 for b in grad_bytes], default=None)
                         assert took is not None and took <= shards.element_size(), \
                             f"{where} step {step}: the shards' .grad took {took} bytes (None: DDP's hook never ran)"
                     if not opg:  # parameters are current after the step (no all-gather pending)
                         ref = full_params(trained["stock"][0])
+                        # equal parameters show something only where training moved them
+                        assert all(not torch.equal(ref[f"layer.{n}"], v) for n, v in initial.items()), \
+                            f"{where} step {step}: a stock parameter did not change"
                         state = models[policy].layer.state_dict()  # stock layout (fsep writes shards back)
                         for k, v in ref.items():
                             k = k[len("layer."):]
