@@ -251,23 +251,28 @@ def run_case(rank: int, ep: int, c: dict) -> None:
 
     close = dict(rtol=1e-5, atol=1e-5)
     initial = [{n: p.detach().clone() for n, p in m.layer.experts.named_parameters()} for m in models["stock"]]
-    for k in range(STEPS):
-        mbs = _microbatches(k, c, u)
-        want, got = step("stock", mbs), step("rails", mbs)
-        torch.testing.assert_close(torch.tensor(got), torch.tensor(want), **close,
-                                   msg=lambda m: f"rank {rank} step {k}: losses\n{m}")
-        if k == 0 and not c["overlap_param_gather"]:  # else the update lands at the next forward
+
+    def check_params(k):
+        """Every parameter in stock layout equal to stock's after step k (current: with
+        overlap_param_gather only after the next forward); after step 0, stock's experts moved."""
+        if k == 0:
             # equal parameters prove something only where training moved them (a harness that
             # loses the gradients, as recompute over an input without grad did, trains nothing)
             for v, (m, before) in enumerate(zip(models["stock"], initial)):
                 assert any(not torch.equal(p, before[n]) for n, p in m.layer.experts.named_parameters()), \
                     f"rank {rank} chunk {v}: the stock experts' parameters did not change in step 0"
-        if not c["overlap_param_gather"]:  # else the parameters are current only after the next forward
-            for v, (mine, ddp) in enumerate(zip(models["rails"], runs["stock"][0])):
-                state = mine.layer.state_dict()  # stock layout (fsep assembles it from shards)
-                for n, want_p in full_params(ddp).items():
-                    torch.testing.assert_close(state[n[len("layer."):]], want_p, **close,
-                                               msg=lambda m: f"rank {rank} step {k} chunk {v}: {n}\n{m}")
+        for v, (mine, ddp) in enumerate(zip(models["rails"], runs["stock"][0])):
+            state = mine.layer.state_dict()  # stock layout (fsep assembles it from shards)
+            for n, want_p in full_params(ddp).items():
+                torch.testing.assert_close(state[n[len("layer."):]], want_p, **close,
+                                           msg=lambda m: f"rank {rank} step {k} chunk {v}: {n}\n{m}")
+    for k in range(STEPS):
+        mbs = _microbatches(k, c, u)
+        want, got = step("stock", mbs), step("rails", mbs)
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(want), **close,
+                                   msg=lambda m: f"rank {rank} step {k}: losses\n{m}")
+        if not c["overlap_param_gather"]:
+            check_params(k)
         # an evaluation forward between steps: no optimizer, no backward
         # (the interleaved schedule wants at least pp microbatches; the step's first ones, scaled)
         evals = _microbatches(k, c, u, scale=1.1)[:c.get("pp", 1)]
@@ -284,6 +289,8 @@ def run_case(rank: int, ep: int, c: dict) -> None:
             got = evaluate("rails")
         torch.testing.assert_close(got, want, **close,
                                    msg=lambda m: f"rank {rank} step {k}: inference_mode forward\n{m}")
+        if c["overlap_param_gather"]:  # the evaluation forward finished the step's parameter all-gather
+            check_params(k)
 
 
 def _worker(rank: int, world: int, ep: int, cases: list, tp: int = 1, pp: int = 1, cp: int = 1,
