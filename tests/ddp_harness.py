@@ -256,7 +256,10 @@ def full_params(ddp) -> dict[str, torch.Tensor]:
                 shard = shard_buffer(bucket.param_data, group.size())[group.rank()]
                 dist.all_gather_into_tensor(full, shard.contiguous(), group=group)
                 for p in bucket.params_list:
-                    start, end = bucket.param_to_index[p]
-                    current[p] = full[start:end].view_as(p).clone()
+                    # the buffer's map, not the bucket's param_to_index: megatron-core 0.16 counts
+                    # that one without the padding the distributed optimizer puts before params
+                    # (a bias of 24 elements shifts every later param of the bucket)
+                    start, end, _ = buffer.param_index_map[p]
+                    current[p] = full[start - bucket.offset:end - bucket.offset].view_as(p).clone()
     return {name: current[p] for name, p in ddp.module.named_parameters()}
 

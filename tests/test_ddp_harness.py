@@ -12,6 +12,7 @@ DistributedOptimizer accepts. Adam's update is nearly invariant to the gradients
 with eps = 1 (grads here are well below 1): the update is then close to proportional to the gradient
 and a wrong reduction scale (a missing or doubled 1/|DP|) fails the comparison.
 """
+import pytest
 import torch
 
 from moe_harness import build_moe_layer, moe_config, spawn
@@ -28,10 +29,14 @@ COMBOS = [(False, False, False), (True, False, False), (False, True, False), (Tr
 BUCKET = 1000  # elements: several buckets per buffer when overlapping (the expert buffer holds 4608)
 
 
-def _build(world):
+def _build(world, bias=False):
+    import dataclasses
+
     from ddp_harness import chunk
 
-    cfg = moe_config(world, "allgather")
+    # linear biases: params whose sizes make the distributed optimizer pad the buffers (full_params
+    # must read each param where the buffer put it)
+    cfg = dataclasses.replace(moe_config(world, "allgather"), add_bias_linear=bias)
     torch.manual_seed(7)  # same router on every rank
     return chunk(cfg, build_moe_layer(cfg))
 
@@ -79,15 +84,15 @@ def _reference_step(model, opt, microbatches, world):
     return losses
 
 
-def _worker(rank, world):
+def _worker(rank, world, bias):
     from ddp_harness import cpu_megatron, full_params, megatron_ddp, train_step
 
     with cpu_megatron():
         for ogr, dopt, opg in COMBOS:
             kind = "adam" if dopt else "sgd"
             where = f"{kind} overlap_grad_reduce={ogr} distopt={dopt} overlap_param_gather={opg} rank {rank}"
-            ref = _build(world)
-            model = _build(world)
+            ref = _build(world, bias)
+            model = _build(world, bias)
             model.load_state_dict(ref.state_dict())
             init = {n: p.detach().clone() for n, p in ref.named_parameters()}
             assert any(not getattr(p, "allreduce", True) for p in model.parameters()), "no expert params"
@@ -111,5 +116,6 @@ def _worker(rank, world):
                 assert not torch.equal(p, init[name]), f"{where}: {name} did not train"
 
 
-def test_megatron_ddp_matches_reference():
-    spawn(_worker, 2)
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+def test_megatron_ddp_matches_reference(bias):
+    spawn(_worker, 2, bias)
