@@ -213,7 +213,7 @@ def test_missing_yaml_names_the_file():
 def test_bad_yaml_names_flag_file_and_key(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("policy: fsep\nslotz: 2\n")
-    with pytest.raises(ConfigError, match=r"--rails-config: .*bad.yaml: unknown key\(s\) slotz"):
+    with pytest.raises(ConfigError, match=r"--rails-config: .*bad.yaml: slotz: unknown key; did you mean .slots.\?"):
         install_from_args(parse(["--rails-config", str(bad)]))
 
 

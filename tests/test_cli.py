@@ -155,3 +155,14 @@ def test_cli_reference_is_generated():
         assert f"## `megatron-rails {cmd}`" in committed
     assert "--rounds ROUNDS" in committed and "--get KEY" in committed  # flags no other doc lists
     assert max(len(ln) for ln in committed.split("```text")[1].splitlines()) <= 80
+
+
+@pytest.mark.parametrize("argv,shape", [(["--quick"], "tiny"), ([], "mixtral-8x7b"),
+                                        (["--quick", "--shape", "mixtral-8x22b"], "mixtral-8x22b")])
+def test_bench_local_quick_keeps_a_given_shape(tmp_path, argv, shape):
+    """--quick picks the tiny layer only where no --shape is given."""
+    from megatron_rails.cli.main import _bench_args, build_parser
+
+    args = build_parser().parse_args(["bench", "local", "--out", str(tmp_path / "l.json"), *argv])
+    _bench_args(args)
+    assert args.shape == shape

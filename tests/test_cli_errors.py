@@ -162,7 +162,87 @@ CASES = [
     ("topology override a directory", ["simulate", "run", MINI, "topology={tmp}"], "is a directory"),
     ("config show get and megatron-args", ["config", "show", MINI, "--get", "model", "--megatron-args"],
      "give one of them"),
+    # the CLI audit of 2026-11-27 (/tmp/audit_cli): keys that are not names, in every loader
+    ("policy integer key", ["config", "show", "{tmp}/intkey.yaml"], "intkey.yaml: key 1 (an integer, line 2) is not a "
+                                                                   "name; keys are strings"),
+    ("demo config boolean key", ["demo", "--config", "{tmp}/boolkey.yaml"], "boolkey.yaml: key true (a boolean"),
+    ("null key", ["config", "show", "{tmp}/nullkey.yaml"], "nullkey.yaml: key null (YAML's null"),
+    ("float key", ["config", "show", "{tmp}/floatkey.yaml"], "floatkey.yaml: key 1.5 (a number"),
+    ("date key", ["config", "show", "{tmp}/datekey.yaml"], "datekey.yaml: key 2024-01-01 (a date"),
+    ("a2a topology integer key", ["simulate", "a2a", "--nodes", "1", "--topology", "{tmp}/topo_intkey.yaml"],
+     "topo_intkey.yaml: key 3 (an integer"),
+    ("run config key in a section", ["simulate", "run", "{tmp}/run_intkey.yaml"], "run_intkey.yaml: model: key 7 (an "
+                                                                                   "integer"),
+    ("run config key in the balancer", ["config", "show", "{tmp}/run_bal_intkey.yaml"],
+     "run_bal_intkey.yaml: balancer: key 9 (an integer"),
+    ("override loading a topology file", ["simulate", "run", MINI, "topology={tmp}/topo_intkey.yaml"],
+     "topology: {tmp}/topo_intkey.yaml: key 3 (an integer"),
+    ("override loading a policy file", ["config", "show", MINI, "balancer={tmp}/intkey.yaml"],
+     "balancer: {tmp}/intkey.yaml: key 1 (an integer"),
+    ("override value with an integer key", ["config", "show", MINI, "balancer={1: 2}"],
+     "override 'balancer={1: 2}': key 1 (an integer"),
+    # aliases and values of any size: bounded work, bounded lines
+    ("alias bomb", ["config", "show", "{tmp}/laughs.yaml"], "aliases (*name) expand to more than 10000 values"),
+    ("self-referencing alias", ["config", "show", "{tmp}/recursive.yaml"], "inside the value it names"),
+    # figures: a format needing LaTeX, a device
+    ("plot pgf", ["simulate", "run", MINI, "--plot", "{tmp}/p.pgf"], "use one of .png"),
+    ("plot a full device", ["simulate", "run", MINI, "--plot", "/dev/full"], "'/dev/full': not a regular file"),
+    ("plot a device without suffix", ["simulate", "run", MINI, "--plot", "/dev/null"], "'/dev/null': not a regular"),
+    ("demo plot a pipe", ["demo", "--plot", "{tmp}/pipe"], "pipe': not a regular file"),
+    ("a2a uniform topk above experts", ["simulate", "a2a", "--nodes", "1", "--traffic", "uniform", "--topk", "9",
+                                        "--experts", "8"], "topk=9 exceeds num_experts=8"),
+    # an empty path is no file
+    ("plan counts empty path", PLAN + ["--counts", ""], "--counts: an empty path"),
+    ("simulate run trace empty path", ["simulate", "run", MINI, "--trace", ""], "--trace: an empty path"),
+    ("demo config empty path", ["demo", "--config", ""], "--config: an empty path"),
+    # options that would change nothing
+    ("plan counts with topk", PLAN + ["--counts", "{tmp}/c.npy", "--topk", "3"], "so --topk would change nothing"),
+    ("plan counts with seed and tokens", PLAN + ["--counts", "{tmp}/c.npy", "--seed", "0", "--tokens-per-rank", "9"],
+     "so --tokens-per-rank, --seed would change nothing"),
+    ("plan window for ultraep", PLAN + ["--window", "3"], "--window would change nothing with --policy ultraep"),
+    ("plan interval for lp on ultraep", ["plan", "--policy", "lp", "--interval", "3"],
+     "--interval would change nothing with --policy lp --placement ultraep"),
+    ("plan placement for fsep", ["plan", "--policy", "fsep", "--placement", "eplb"], "--placement would change"),
+    ("plan tolerance for none", ["plan", "--policy", "none", "--tolerance", "0.1"], "--tolerance would change"),
+    ("plan tolerance for lp static", ["plan", "--policy", "lp", "--placement", "static", "--tolerance", "0.1"],
+     "--tolerance would change nothing with --policy lp --placement static"),
+    ("simulate run trace-tokens without trace", ["simulate", "run", MINI, "--trace-tokens", "raw"],
+     "give --trace FILE, or drop --trace-tokens"),
+    ("plan counts all zero", PLAN + ["--counts", "{tmp}/z48.npy"], "every count is 0"),
+    # messages that blame the flag the user gave, in YAML's words
+    ("plan default node size", ["plan", "--policy", "fsep", "--ranks", "12"],
+     "--ranks-per-node is 8 by default, which must divide the 12 ranks or be >= 12 (one node): pass "
+     "--ranks-per-node 1, 2, 3, 4, 6 or 12"),
+    ("simulate run slots flag", ["simulate", "run", MINI, "--slots", "0", "--policies", "eplb"],
+     "--slots 0: policy eplb cannot run with it"),
+    ("boolean slots in YAML's words", ["config", "show", "{tmp}/slots_true.yaml"], "slots: expected integer, got true"),
+    ("null slots in YAML's words", ["config", "show", "{tmp}/slots_null.yaml"], "got an empty value"),
+    ("negative count as the file holds it", PLAN + ["--counts", "{tmp}/neg.npy"], "counts[0, 1] = -1 is negative"),
+    ("config show get empty", ["config", "show", MINI, "--get", ""], "--get: an empty key"),
+    ("config show get typo", ["config", "show", MINI, "--get", "model.num_layer"], "did you mean 'model.num_layers'"),
+    ("a preset named as such", ["config", "show", "dgx-h100", "nodes=abc"], "error: dgx-h100: nodes: expected integer"),
+    # one loader, one set of words
+    ("demo config key typo", ["demo", "--config", "{tmp}/slotz.yaml"], "slotz.yaml: slotz: unknown key; did you mean "
+                                                                        "'slots'?"),
+    ("a2a topology a run config", ["simulate", "a2a", "--nodes", "1", "--topology", MINI],
+     "this is a run config; a topology is needed here"),
+    ("counts header promising terabytes", PLAN + ["--counts", "{tmp}/hugehdr.npy"], "cut off or corrupt"),
+    ("counts JSON key twice", PLAN + ["--counts", "{tmp}/dup.json"], "dup.json: key 'counts' given twice"),
+    ("a path with a newline", ["simulate", "run", "{tmp}/a\nb.yaml"], "a\\nb.yaml: file not found"),
+    ("balancer node size reported once", ["config", "show", MINI, "balancer.ranks_per_node=3"],
+     "balancer.ranks_per_node: 3, but this layout puts 2"),
+    ("unknown key points to config docs", ["config", "show", MINI, "model.zzzzzz=1"],
+     "`megatron-rails config docs` lists the 27 valid keys"),
 ]
+
+def _npy_header(shape) -> bytes:
+    """A .npy file's magic and header claiming int64 `shape` (the data is whatever follows)."""
+    import io
+
+    buf = io.BytesIO()
+    np.lib.format.write_array_header_1_0(buf, {"descr": "<i8", "fortran_order": False, "shape": shape})
+    return buf.getvalue()
+
 
 FILES = {  # name: YAML text, or a counts array
     "empty.yaml": "",
@@ -184,6 +264,25 @@ FILES = {  # name: YAML text, or a counts array
     "text.npz": "hello\n",
     "z48.npy": np.zeros((4, 8)),
     "slots_only.yaml": "slots: 2\n",
+    "intkey.yaml": "policy: fsep\n1: 2\n",
+    "boolkey.yaml": "policy: fsep\ntrue: 2\n",
+    "nullkey.yaml": "policy: fsep\nnull: 2\n",
+    "floatkey.yaml": "policy: fsep\n1.5: 2\n",
+    "datekey.yaml": "policy: fsep\n2024-01-01: 2\n",
+    "topo_intkey.yaml": "gpus_per_node: 8\n3: 2\n",
+    "run_intkey.yaml": Path(MINI).read_text().replace("\nmodel:\n", "\nmodel:\n  7: x\n"),
+    "run_bal_intkey.yaml": Path(MINI).read_text().replace("\nbalancer:\n", "\nbalancer:\n  9: 1\n"),
+    # a "billion laughs": 10^9 strings once expanded, 9 lines as written
+    "laughs.yaml": "policy: fsep\nslots:\n  - &a0 [lol, lol, lol, lol, lol, lol, lol, lol, lol, lol]\n" + "".join(
+        f"  - &a{i} [{', '.join([f'*a{i - 1}'] * 10)}]\n" for i in range(1, 9)),
+    "recursive.yaml": "policy: fsep\nslots: &a [*a]\n",
+    "slots_true.yaml": "policy: fsep\nslots: true\n",
+    "slots_null.yaml": "policy: fsep\nslots:\n",
+    "slotz.yaml": "policy: fsep\nslotz: 2\n",
+    "long_value.yaml": "policy: fsep\nslots: " + "x" * 5000 + "\n",
+    "hugehdr.npy": _npy_header((10**8, 10**5)) + bytes(64),
+    "dup.json": '{"counts": [[1, 2]], "counts": [[3, 4]]}',
+    "f16.npy": np.array([[60000, 5], [1, 2]], dtype=np.float16),
 }
 
 
@@ -196,7 +295,7 @@ def tmp(tmp_path_factory) -> Path:
         elif isinstance(content, bytes):
             (d / name).write_bytes(content)
         else:
-            np.save(d / name, content.astype(np.int64))
+            np.save(d / name, content if content.dtype == np.float16 else content.astype(np.int64))
     os.mkfifo(d / "pipe")  # nothing ever reads or writes it: opening it for either would block
     return d
 
@@ -213,6 +312,7 @@ def run_cli(argv: list[str], capsys) -> tuple[int, str, str]:
 @pytest.mark.parametrize("argv,word", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
 def test_bad_input_is_one_line_exit_2(argv, word, tmp, capsys):
     rc, out, err = run_cli([a.replace("{tmp}", str(tmp)) for a in argv], capsys)
+    word = word.replace("{tmp}", str(tmp))
     lines = err.strip().splitlines()
     assert rc == 2, (rc, out, err)
     assert "Traceback" not in out + err
@@ -284,7 +384,7 @@ def test_help_shows_defaults_and_version(capsys):
     rc, out, _ = run_cli(["plan", "--help"], capsys)
     text = " ".join(out.split())
     assert rc == 0 and "plan one counts matrix" in text
-    for shown in ("default: 8;", "(default: zipf:1.2)", "(default: 50)", "bursty:S[:F[:R]]"):
+    for shown in ("default: 8;", "(default: zipf:1.2)", "(default: 50; 1 to 2000)", "bursty:S[:F[:R]]"):
         assert shown in text, shown
     rc, out, _ = run_cli(["simulate", "a2a", "--help"], capsys)
     assert all(name in out for name in ("cpu-2x2", "dgx-a100", "dgx-h100", "nvl72"))
@@ -412,7 +512,7 @@ def test_full_disk_and_closed_pipe_are_one_line(tmp):
     cli = [sys.executable, "-m", "megatron_rails.cli"]
     p = subprocess.run(cli + ["config", "docs", "--out", "/dev/full"], capture_output=True, text=True, timeout=120)
     assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr
-    assert p.stderr.strip().splitlines() == ["megatron-rails config docs: error: No space left on device"]
+    assert p.stderr.strip().splitlines() == ["megatron-rails config docs: error: --out /dev/full: No space left on device"]
     r, w = os.pipe()
     os.close(r)  # the reader is gone before the first write: every write fails (EPIPE)
     try:
@@ -420,3 +520,166 @@ def test_full_disk_and_closed_pipe_are_one_line(tmp):
     finally:
         os.close(w)
     assert p.returncode == 1 and p.stderr == "", p.stderr
+
+
+# -- the CLI audit of 2026-11-27: focused cases ------------------------------------------------------------------
+
+def test_config_validate_reports_every_file_whatever_its_keys(tmp, capsys):
+    """Keys that are not names and an alias bomb are errors of their own files; validate still reads
+    every file given and says which are fine."""
+    files = [tmp / "intkey.yaml", tmp / "laughs.yaml", tmp / "run_bal_intkey.yaml", POLICY]
+    rc, out, err = run_cli(["config", "validate", *map(str, files)], capsys)
+    assert rc == 1 and "Traceback" not in err
+    errors = [ln for ln in err.splitlines() if ln.startswith("error: ")]
+    assert [e.split(": ")[1] for e in errors] == [str(f) for f in files[:3]]
+    assert "key 1 (an integer" in errors[0] and "10000 values" in errors[1] and "balancer: key 9" in errors[2]
+    assert out.startswith(f"OK {POLICY}") and "3 of 4 file(s) invalid" in err
+
+
+def test_an_error_shows_a_bounded_value(tmp, capsys):
+    """A 5000-character value is cut in the message (the line stays readable), not printed whole."""
+    rc, _, err = run_cli(["config", "show", str(tmp / "long_value.yaml")], capsys)
+    assert rc == 2 and "slots: expected integer, got 'xxx" in err and "...'" not in err
+    assert len(err.strip().splitlines()[0]) < len(str(tmp)) + 150, err
+
+
+def test_a_plot_that_fails_loses_no_results(tmp, capsys, monkeypatch):
+    """The JSON is printed before the figure is drawn; a backend that fails (a format needing LaTeX)
+    is one line naming the file, exit 1, and no file is left where the figure was to be."""
+    import json
+
+    import matplotlib.figure
+
+    def fail(self, *a, **kw):
+        raise RuntimeError("latex was not found\nsecond line")
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", fail)
+    png = tmp / "fails.png"
+    rc, out, err = run_cli(["simulate", "run", MINI, "--steps", "1", "--quiet", "--json", "--plot", str(png)], capsys)
+    assert rc == 1 and json.loads(out)["rows"]
+    assert err.strip().splitlines() == [f"megatron-rails simulate run: error: --plot {png}: the figure could not be "
+                                        "written (latex was not found second line)"]
+    assert not png.exists() and not [p for p in tmp.iterdir() if ".tmp" in p.name]
+
+
+def test_ctrl_c_is_one_line_and_exit_130(capsys, monkeypatch):
+    import importlib
+
+    cli_main = importlib.import_module("megatron_rails.cli.main")  # the package's `main` is the function
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli_main, "cmd_plan", interrupted)
+    rc, out, err = run_cli(PLAN, capsys)
+    assert (rc, out, err) == (130, "", "megatron-rails plan: interrupted\n")
+
+
+def test_bench_planners_to_stdout_is_one_json_document(tmp, capfd, monkeypatch):
+    """--out /dev/stdout: the results are the one JSON document on stdout (the targets summary goes to
+    stderr), written once, with no figure beside it and no progress file; a file --out gets the same
+    result and its progress file is gone afterwards."""
+    import json
+
+    import megatron_rails.bench.planners as bp
+    import megatron_rails.core.planners.lp as lp
+
+    monkeypatch.setattr(bp, "QUICK_GRID", dict(ranks=[8], experts=[8], slots=[1], skews=["uniform", "zipf:1.2"]))
+    monkeypatch.setattr(lp, "time_vs_oracle", lambda n, seed=0: {"instances": n})
+    assert main(["bench", "planners", "--quick", "--out", "/dev/stdout"]) == 0
+    out, err = capfd.readouterr()
+    result = json.loads(out)  # one document, nothing after it
+    assert len(result["rows"]) == 2 * 5 and "targets" in result and '"ultraep_balance"' in err
+    assert "bench planners: no figure (--out /dev/stdout is no file to put one beside" in err
+    out_file = tmp / "planners.json"
+    assert main(["bench", "planners", "--quick", "--out", str(out_file), "--plot", str(tmp / "planners.svg")]) == 0
+    capfd.readouterr()
+    assert json.loads(out_file.read_text())["rows"] and (tmp / "planners.svg").is_file()
+    assert not (tmp / "planners.json.partial").exists()
+
+
+def test_benchmark_progress_file_holds_what_is_measured_so_far(tmp):
+    from megatron_rails.bench.planners import Results
+
+    result = {"rows": [1]}
+    saved = Results(str(tmp / "r.json"), result)
+    saved.checkpoint()
+    assert (tmp / "r.json.partial").read_text().count("1") == 1 and not (tmp / "r.json").exists()
+    result["rows"].append(2)
+    saved.write()
+    assert not (tmp / "r.json.partial").exists() and '"rows": [\n  1,\n  2\n ]' in (tmp / "r.json").read_text()
+    assert Results("/dev/stdout", result).partial is None
+
+
+def test_float16_counts_read_exactly_without_warnings(tmp, capsys):
+    import json
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        rc, out, err = run_cli(["plan", "--policy", "none", "--counts", str(tmp / "f16.npy"), "--json", "--repeats",
+                                "1", "--budget", "0"], capsys)
+    assert rc == 0 and err == "", err
+    assert json.loads(out)["tokens"] == 60000 + 5 + 1 + 2
+
+
+def test_a_trace_npz_is_a_file_skew_too(tmp, capsys):
+    """--skew file:X takes the trace .npz that --counts and --trace take, and the help says so."""
+    from megatron_rails.demo.trace import save_trace
+
+    c = np.load(tmp / "c.npy")
+    save_trace(tmp / "skew.npz", np.stack([np.stack([c])] * 2), {"topk": 2})
+    rc, out, err = run_cli(["plan", "--policy", "fsep", "--skew", f"file:{tmp / 'skew.npz'}", "--ranks", "4",
+                            "--experts", "8", "--json", "--repeats", "1", "--budget", "0"], capsys)
+    assert rc == 0 and '"tokens": 480' in out, err
+    with pytest.raises(SystemExit):
+        main(["plan", "--help"])
+    assert "file:PATH (PATH: .npy or .json counts, or a `megatron-rails trace` .npz)" in " ".join(
+        capsys.readouterr().out.split())
+
+
+def test_policy_options_are_taken_by_the_policies_that_read_them(capsys):
+    for argv in (["--policy", "lp", "--placement", "eplb", "--window", "3", "--interval", "2"],
+                 ["--policy", "eplb", "--window", "3", "--tolerance", "0.1"], ["--policy", "fsep", "--tolerance", "0"]):
+        rc, _, err = run_cli(["plan", *argv, "--json", "--repeats", "1", "--budget", "0"], capsys)
+        assert rc == 0, (argv, err)
+
+
+def test_help_states_ranges_and_what_each_benchmark_measures(capsys):
+    """Every option whose type checks a range says it in --help, once; bench --help says what each
+    benchmark measures."""
+    from megatron_rails.cli.main import BENCH_MEASURES
+
+    for path, parser, action in _every_action():
+        rng = getattr(action.type, "range_text", None)
+        if rng:
+            text = parser._get_formatter()._get_help_string(action)
+            assert text.count(rng) == 1 and text.endswith(")"), (path, action.dest, text)
+    with pytest.raises(SystemExit):
+        main(["plan", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "eplb: moving-average window (steps) (default: 10; 1 to 1048576)" in text
+    assert "ranks sharing a node (G): a divisor of D, or >= D for one node (default: 8; 1 to 4096)" in text
+    with pytest.raises(SystemExit):
+        main(["soak", "--help"])
+    assert "(default: 4; divides 8: 1, 2, 4, 8)" in " ".join(capsys.readouterr().out.split())
+    with pytest.raises(SystemExit):
+        main(["bench", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for name, phrase in BENCH_MEASURES.items():
+        assert f"{name}: {phrase}" in text, name
+
+
+def test_megatron_args_paste_as_one_command(capsys):
+    """--megatron-args: shell lines of at most 80 columns continued with ` \\`, which a shell joins back
+    into exactly the flags of the run config."""
+    import shlex
+
+    from megatron_rails.config.run import load_run_config
+
+    cfg = str(ROOT / "configs" / "mixtral" / "mixtral-8x7b.yaml")
+    rc, out, _ = run_cli(["config", "show", cfg, "--megatron-args"], capsys)
+    lines = out.rstrip("\n").split("\n")
+    assert rc == 0 and len(lines) > 5 and max(map(len, lines)) <= 80
+    assert all(ln.endswith(" \\") for ln in lines[:-1]) and not lines[-1].endswith("\\")
+    assert shlex.split(out.replace(" \\\n", " ")) == load_run_config(cfg).megatron_args()

@@ -21,7 +21,7 @@ def test_default_is_fsep():
 
 @pytest.mark.parametrize("text, match", [
     ("policy: magic\n", "policy: unknown policy 'magic'"),
-    ("policy: fsep\nslotz: 2\n", "unknown key.*slotz"),
+    ("policy: fsep\nslotz: 2\n", "slotz: unknown key; did you mean 'slots'"),
     ("policy: fsep\nslots: two\n", "slots: expected"),
     ("policy: fsep\nslots: -1\n", "slots: expected"),
     ("policy: fsep\ncomm: smoke\n", "comm: must be one of"),

@@ -29,7 +29,7 @@ STDLIB = {"__future__", "argparse", "ast", "bisect", "collections", "contextlib"
           "enum", "fractions", "functools", "hashlib", "heapq", "importlib", "inspect", "itertools", "json", "math", "os",
           "pathlib", "platform", "random", "re", "resource", "runpy", "shlex", "shutil", "signal", "statistics",
           "subprocess", "sys", "tempfile", "textwrap", "threading", "time", "types", "typing", "warnings",
-          "weakref", "io", "struct", "traceback", "socket", "string", "errno", "atexit", "queue", "glob"}
+          "weakref", "io", "reprlib", "zipfile", "struct", "traceback", "socket", "string", "errno", "atexit", "queue", "glob"}
 
 
 def _modules() -> dict[str, Path]:

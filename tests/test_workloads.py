@@ -296,8 +296,8 @@ def test_json_forms(tmp_path):
 
 
 @pytest.mark.parametrize("name, content, match", [
-    ("neg.json", "[[1, -2], [3, 4]]", r"neg\.json.*counts_DE\[0, 1\] = -2 is negative"),
-    ("neg3.json", "[[[1, 2]], [[3, -4]]]", r"neg3\.json: step 1, counts_DE\[0, 1\] = -4 is negative"),
+    ("neg.json", "[[1, -2], [3, 4]]", r"neg\.json: counts\[0, 1\] = -2 is negative"),
+    ("neg3.json", "[[[1, 2]], [[3, -4]]]", r"neg3\.json: step 1, counts\[0, 1\] = -4 is negative"),
     ("frac.json", "[[1, 2.5]]", r"frac\.json: counts\[0, 1\] = .*2\.5.* is not an integer"),
     ("str.json", '[["a", "b"]]', r"str\.json: counts must hold integers"),
     ("bool.json", "[[true, false]]", r"bool\.json: counts must be a rectangular array of integers"),
@@ -321,7 +321,7 @@ def test_load_npy_errors(tmp_path):
     with pytest.raises(WorkloadError, match=r"f\.npy: counts\[0, 1\] = .*nan.* is not an integer"):
         load_counts(tmp_path / "f.npy")
     np.save(tmp_path / "n.npy", np.array([[[[1, 2]]], [[[0, -1]]]]))
-    with pytest.raises(WorkloadError, match=r"n\.npy: step 1, layer 0, counts_DE\[0, 1\] = -1 is negative"):
+    with pytest.raises(WorkloadError, match=r"n\.npy: step 1, layer 0, counts\[0, 1\] = -1 is negative"):
         load_counts(tmp_path / "n.npy")
     (tmp_path / "junk.npy").write_bytes(b"not numpy")  # numpy alone would call it a pickle to load unsafely
     with pytest.raises(WorkloadError, match=r"junk\.npy: not a \.npy file \(no NumPy header\)"):

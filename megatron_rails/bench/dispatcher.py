@@ -10,7 +10,6 @@ ranks counts and a balanced policy cannot show the straggler it removes. Trainin
 from __future__ import annotations
 
 import json
-import os
 import sys
 import tempfile
 import time
@@ -20,6 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from ..core.outfile import is_stdout, write_text
 from ..megatron import models
 from ..megatron.install import install, uninstall
 from ..runtime.comm.base import leave
@@ -138,18 +138,18 @@ def _weight_exchange_ms(store, reps: int, warmup: int) -> dict:
 
 
 def bench_dispatcher(out: str, reps: int = 20, world: int = 4, warmup: int = WARMUP, quick: bool = False) -> dict:
-    tmp = out + ".rows"
     print(f"dispatcher bench: {world} gloo ranks, hidden {SHAPE['hidden']}, ffn {SHAPE['ffn']}, "
           f"{SHAPE['experts']} experts top-{SHAPE['topk']}, {SHAPE['tokens']} tokens/rank", file=sys.stderr)
-    with tempfile.TemporaryDirectory(prefix="rails-bench-") as rdzv:  # a file rendezvous: no port to race for
+    # a file rendezvous (no port to race for) and rank 0's rows, in a directory of our own: not
+    # beside --out, which may be /dev/stdout
+    with tempfile.TemporaryDirectory(prefix="rails-bench-") as rdzv:
         from ..sim.term import quiet_children
 
         with quiet_children():
-            mp.start_processes(_worker, args=(world, f"{rdzv}/store", reps, warmup, tmp), nprocs=world,
-                               start_method="spawn")
-    with open(tmp) as f:
-        got = json.load(f)
-    os.remove(tmp)
+            mp.start_processes(_worker, args=(world, f"{rdzv}/store", reps, warmup, f"{rdzv}/rows.json"),
+                               nprocs=world, start_method="spawn")
+        with open(f"{rdzv}/rows.json") as f:
+            got = json.load(f)
     rows = got["rows"]
     res = {"meta": {"command": "megatron-rails bench dispatcher", "world": world, "shape": SHAPE, "reps": reps, "warmup": warmup,
                     "note": "CPU gloo timings of one MoE layer forward+backward; not GPU figures. "
@@ -159,9 +159,8 @@ def bench_dispatcher(out: str, reps: int = 20, world: int = 4, warmup: int = WAR
                     "fsep_weight_exchange": got["fsep_weight_exchange"]},
            "rows": rows,
            "targets": targets(rows, quick)}
-    with open(out, "w") as f:
-        json.dump(res, f, indent=1)
-    print(json.dumps(res["targets"], indent=1))
+    write_text(out, json.dumps(res, indent=1))
+    print(json.dumps(res["targets"], indent=1), file=sys.stderr if is_stdout(out) else sys.stdout)
     print(f"wrote {out}", file=sys.stderr)
     return res
 

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from ..core.errors import InputError
+from ..core.outfile import is_stdout, write_text
 from ..core.policy import PolicyConfig
 from ..runtime.local import (STAGING_ENV, pairs_per_token_range, rows, rows_back, send_order,
                              send_order_path, sum_pairs, token_rows)
@@ -252,10 +253,10 @@ def bench_local(out: str, shape_name: str = "mixtral-8x7b", device: str = "cpu",
                             "(paired), ratio_of_medians: the same from the medians; *_host_us_p50: until the "
                             "call returned (the host's share), the others to the sync after it"},
            "rows": rows}
-    with open(out, "w") as f:
-        json.dump(res, f, indent=1)
-    # stdout: the summary, as every bench; stderr: progress and where the results went
+    write_text(out, json.dumps(res, indent=1))
+    # stdout: the summary, as every bench (stderr where --out is stdout); stderr: progress and where the
+    # results went
     print(json.dumps({"ratio_vs_megatron": {f"{r['policy']} {r['skew']}": r["ratio_vs_megatron"] for r in rows}},
-                     indent=1))
+                     indent=1), file=sys.stderr if is_stdout(out) else sys.stdout)
     print(f"wrote {out}", file=sys.stderr)
     return res

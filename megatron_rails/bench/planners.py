@@ -1,7 +1,8 @@
 """`megatron-rails bench planners` and the planner demo.
 
 Results are JSON (one row per grid point and policy) plus a PNG; targets are checked here and
-reported in the JSON, never asserted in timed tests.
+reported in the JSON, never asserted in timed tests. --out is written once, whole, at the end; what
+a long grid has measured so far is kept in `--out`.partial meanwhile (removed once --out is written).
 """
 from __future__ import annotations
 
@@ -11,9 +12,11 @@ import platform
 import sys
 import time
 from itertools import product
+from pathlib import Path
 
 import numpy as np
 
+from ..core.outfile import is_stdout, save_figure, write_text, writes_in_place
 from ..core.planners import POLICIES, PlannerConfig, PlannerError
 from ..core.planners.ultraep import _compiled
 from .measure import BoundCache, measure, pin_one_core, stdout_to_stderr
@@ -39,6 +42,41 @@ def _progress():
 
     return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                     transient=False, console=Console(stderr=True))  # stdout: results only
+
+
+class Results:
+    """A benchmark's result dict and its --out file: `checkpoint()` keeps what is measured so far in a
+    sibling `OUT.partial` (a crash loses at most one grid point; none for a pipe or device, which take
+    one document), `write()` writes --out once and removes the sibling; `summary_file` is where the
+    short summary goes: stdout, unless --out is stdout (then its one JSON document stays alone)."""
+
+    def __init__(self, out: str, result: dict):
+        self.out, self.result = out, result
+        self.partial = None if writes_in_place(out) else f"{out}.partial"
+        self.summary_file = sys.stderr if is_stdout(out) else sys.stdout
+
+    def checkpoint(self) -> None:
+        if self.partial:
+            write_text(self.partial, json.dumps(self.result, indent=1))
+
+    def write(self) -> None:
+        write_text(self.out, json.dumps(self.result, indent=1))
+        if self.partial:
+            Path(self.partial).unlink(missing_ok=True)
+
+    def figure(self, plot) -> str | None:
+        """The figure's path: `plot`, else --out's name with .png; None for plot=False (no figure)."""
+        return None if plot is False else plot or os.path.splitext(self.out)[0] + ".png"
+
+    def finish(self, summary: dict, plot, draw) -> None:
+        """Write --out, then print `summary` and draw the figure (draw(result, png)), in that order:
+        a figure that fails loses none of the results."""
+        self.write()
+        print(json.dumps(summary, indent=1), file=self.summary_file)
+        png = self.figure(plot)
+        if png:
+            draw(self.result, png)
+        print(f"wrote {self.out}{f' and {png}' if png else ''}", file=sys.stderr)
 
 
 def targets(rows: list[dict]) -> dict:
@@ -79,8 +117,9 @@ def targets(rows: list[dict]) -> dict:
     return out
 
 
-def bench_planners(out: str, quick: bool = False, plot: str | None = None, lp_instances: int | None = None) -> dict:
-    """Run the planner grid; write JSON to `out` (after every grid point, so nothing is lost) and a PNG."""
+def bench_planners(out: str, quick: bool = False, plot: str | bool | None = None,
+                   lp_instances: int | None = None) -> dict:
+    """Run the planner grid; write JSON to `out` (progress in `out`.partial meanwhile), then a PNG."""
     pin_one_core()
     grid = QUICK_GRID if quick else FULL_GRID
     reps, budget = (5, 0.02) if quick else (30, 0.3)
@@ -93,12 +132,7 @@ def bench_planners(out: str, quick: bool = False, plot: str | None = None, lp_in
             "ultraep_kernel": "compiled" if _compiled() is not None else "python",
             "started": time.strftime("%Y-%m-%dT%H:%M:%S")}
     result = {"meta": meta, "rows": rows}
-
-    def save():
-        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-        with open(out, "w") as f:
-            json.dump(result, f, indent=1)
-
+    saved = Results(out, result)
     with _progress() as prog:
         task = prog.add_task("planner grid", total=len(points) * len(POLICIES))
         for D, E, S, skew in points:
@@ -114,7 +148,7 @@ def bench_planners(out: str, quick: bool = False, plot: str | None = None, lp_in
                     row = base | {"error": str(err)}
                 rows.append(row)
                 prog.advance(task)
-            save()
+            saved.checkpoint()
     from ..core.planners.lp import time_vs_oracle
 
     n_lp = lp_instances or (50 if quick else 500)
@@ -123,11 +157,7 @@ def bench_planners(out: str, quick: bool = False, plot: str | None = None, lp_in
         result["lp_vs_highs"] = time_vs_oracle(n_lp, seed=0)
     result["targets"] = targets(rows)
     meta["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S")
-    save()
-    png = plot or os.path.splitext(out)[0] + ".png"
-    plot_planners(result, png)
-    print(json.dumps(result["targets"], indent=1))
-    print(f"wrote {out} and {png}", file=sys.stderr)
+    saved.finish(result["targets"], plot, plot_planners)
     return result
 
 
@@ -186,7 +216,7 @@ def plot_planners(result: dict, png: str) -> None:
     ax2.set_title(f"planner latency, E{E0} S{S0} {skews[-1]}")
     ax2.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(png, dpi=110)
+    save_figure(fig, png, dpi=110)
     plt.close(fig)
 
 

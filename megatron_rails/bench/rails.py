@@ -3,7 +3,8 @@
 Grid: topologies x nodes x traffic families (sim/traffic.py). Per case: every scheme's completion
 (fluid and phased), the lower bound, bus bandwidth, RailS / lower bound, RailS's busbw gain over
 direct and ecmp, and whether the target holds (RailS completion <= 1.03 x lower bound on every skewed
-case, i.e. every family but uniform). JSON is rewritten after every case; a PNG goes next to it.
+case, i.e. every family but uniform). JSON is written once at the end (progress in `--out`.partial
+meanwhile, see planners.Results); a PNG goes next to it.
 
 Token dedup across nodes (sim/dedup.py, issue #17), JSON key "dedup": DeepSeek-V3-like routing (top-8
 of 256 experts, hidden 7168) sampled token by token on dgx-h100, stock EP and the default policy;
@@ -12,8 +13,6 @@ end-to-end time (with the NVLink fan-out) on both.
 """
 from __future__ import annotations
 
-import json
-import os
 import platform
 import sys
 import time
@@ -21,6 +20,7 @@ from itertools import product
 
 import numpy as np
 
+from ..core.outfile import save_figure
 from ..sim.dedup import simulate_dedup, token_traffic
 from ..sim.rails import SCHEMES, simulate
 from ..core.topology import load_topology
@@ -135,7 +135,7 @@ def summarize(rows: list[dict]) -> dict:
     }
 
 
-def bench_rails(out: str, quick: bool = False, plot: str | None = None) -> dict:
+def bench_rails(out: str, quick: bool = False, plot: str | bool | None = None) -> dict:
     grid = QUICK_GRID if quick else FULL_GRID
     dgrid = DEDUP_QUICK if quick else DEDUP_FULL
     cases = list(product(grid["topologies"], grid["nodes"], grid["traffic"]))
@@ -148,13 +148,9 @@ def bench_rails(out: str, quick: bool = False, plot: str | None = None) -> dict:
                      "see megatron_rails/sim/rails.py; dedup: megatron_rails/sim/dedup.py", "grid": grid,
             "dedup_grid": dgrid, "started": time.strftime("%Y-%m-%dT%H:%M:%S")}
     result = {"meta": meta, "rows": rows, "dedup": drows}
+    from .planners import Results, _progress
 
-    def save():
-        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-        with open(out, "w") as f:
-            json.dump(result, f, indent=1)
-
-    from .planners import _progress
+    saved = Results(out, result)
 
     with _progress() as prog:
         task = prog.add_task("rails grid", total=len(cases) + len(dcases))
@@ -166,7 +162,7 @@ def bench_rails(out: str, quick: bool = False, plot: str | None = None) -> dict:
             prog.console.print(f"{topology} x{nodes:<3d} {family:9s} rails/LB {row['rails_over_lb']:.4f} "
                                f"gain vs direct {100 * row['busbw_gain_over_direct']:+6.1f}% "
                                f"vs ecmp {100 * row['busbw_gain_over_ecmp']:+6.1f}% ({row['seconds']:.1f}s)")
-            save()
+            saved.checkpoint()
         for topology, nodes, family in dcases:
             prog.update(task, description=f"{topology} x{nodes:<3d} {family} dedup")
             row = run_dedup_case(topology, nodes, family)
@@ -176,14 +172,10 @@ def bench_rails(out: str, quick: bool = False, plot: str | None = None) -> dict:
             prog.console.print(f"{topology} x{nodes:<3d} {family} dedup: inter-node {gib[0]:.1f} -> {gib[1]:.1f} GiB, "
                                f"rails/LB {row['rails_over_lb_pairs']:.4f} -> {row['rails_over_lb_dedup']:.4f}, "
                                f"rails {100 * row['rails_speedup_from_dedup']:+.1f}% ({row['seconds']:.1f}s)")
-            save()
+            saved.checkpoint()
     result["summary"] = summarize(rows) | {"dedup": summarize_dedup(drows)}
     meta["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S")
-    save()
-    png = plot or os.path.splitext(out)[0] + ".png"
-    plot_rails(result, png)
-    print(json.dumps(result["summary"], indent=1))
-    print(f"wrote {out} and {png}", file=sys.stderr)
+    saved.finish(result["summary"], plot, plot_rails)
     return result
 
 
@@ -225,7 +217,7 @@ def plot_rails(result: dict, png: str) -> None:
     if drows:
         _plot_dedup(axes[3], drows)
     fig.tight_layout()
-    fig.savefig(png, dpi=110)
+    save_figure(fig, png, dpi=110)
     plt.close(fig)
 
 

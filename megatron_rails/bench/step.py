@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from ..core.outfile import is_stdout, save_figure, write_text
 from ..core.policy import as_policy
 from ..megatron import models
 from ..megatron.install import install, uninstall
@@ -250,32 +251,31 @@ def bench_step(out: str, ranks: int = 2, microbatches: int = 8, quick: bool = Fa
                   f"{shape['hidden']}, ffn {shape['ffn']}, {shape['experts']} experts top-{shape['topk']}, "
                   f"{shape['tokens']} tokens/rank/microbatch, {microbatches} microbatches/step, "
                   f"{len(SKEWS) * len(POLICIES)} cases x {reps + warmup} rounds"), file=sys.stderr)
-    tmp = out + ".rows"
     kept = {k: os.environ.get(k) for k in MALLOC_KEEP}
     malloc = {k: kept[k] or v for k, v in MALLOC_KEEP.items()}
     os.environ.update(malloc)  # read by the ranks' glibc
     try:
-        with tempfile.TemporaryDirectory(prefix="rails-bench-") as rdzv, quiet_children():
-            mp.start_processes(_worker, args=(ranks, f"{rdzv}/store", shape, microbatches, reps, warmup, tmp),
-                               nprocs=ranks, start_method="spawn")
+        # rank 0's rows beside the rendezvous, in a directory of our own (not beside --out: /dev/stdout)
+        with tempfile.TemporaryDirectory(prefix="rails-bench-") as rdzv:
+            with quiet_children():
+                mp.start_processes(_worker, args=(ranks, f"{rdzv}/store", shape, microbatches, reps, warmup,
+                                                  f"{rdzv}/rows.json"), nprocs=ranks, start_method="spawn")
+            with open(f"{rdzv}/rows.json") as f:
+                rows = json.load(f)
     finally:
         for k, v in kept.items():
             if v is None:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-    with open(tmp) as f:
-        rows = json.load(f)
-    os.remove(tmp)
     res = {"meta": {"command": "megatron-rails bench step", "ranks": ranks, "microbatches": microbatches,
                     "shape": shape, "reps": reps, "warmup": warmup, "lr": LR,
                     "malloc": malloc,
                     "note": "CPU gloo, one rank per core. ratio_vs_none and of_ideal are medians of ratios "
                             "taken within a round (see megatron_rails/bench/step.py)."},
            "rows": rows, "targets": targets(rows)}
-    with open(out, "w") as f:
-        json.dump(res, f, indent=1)
-    print(table(rows))
+    write_text(out, json.dumps(res, indent=1))  # the results first: a figure that fails loses none of them
+    print(table(rows), file=sys.stderr if is_stdout(out) else sys.stdout)
     if plot is not False:
         plot_step(res, plot or os.path.splitext(out)[0] + ".png")
     return res
@@ -322,5 +322,5 @@ def plot_step(res: dict, png: str) -> None:
     # outside the axes: inside, it hides bars
     ax.legend(ncol=3, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.12))
     fig.tight_layout()
-    fig.savefig(png, dpi=120)
+    save_figure(fig, png, dpi=120)
     plt.close(fig)

@@ -1,6 +1,6 @@
-"""argparse pieces shared by the subcommands: the parser class (one-line errors, defaults shown in
---help, a description for every subcommand) and value checkers whose errors name the flag and the
-allowed range. Bad input never reaches the code behind a command as a value it cannot use."""
+"""argparse pieces shared by the subcommands: the parser class (one-line errors, defaults and ranges
+shown in --help, a description for every subcommand) and value checkers whose errors name the flag and
+the allowed range. Bad input never reaches the code behind a command as a value it cannot use."""
 from __future__ import annotations
 
 import argparse
@@ -12,15 +12,41 @@ from pathlib import Path
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Appends "(default: X)" to an option's help unless there is no value to show (None, a flag's
-    False) or the help already says what the default is."""
+    """Appends "(default: X; RANGE)" to an option's help: the default unless there is no value to show
+    (None, a flag's False) or the help already says what it is, and the range its type checks (the
+    checkers below carry it as `range_text`), so no help text spells a range out by hand."""
 
     def _get_help_string(self, action):
         text = action.help or ""
         nothing = action.default in ([], None, argparse.SUPPRESS) or action.default is False
-        if nothing or "default" in text:  # `is`: a default of 0 is a value to show
+        if not (nothing or "default" in text):  # `is`: a default of 0 is a value to show
+            text = super()._get_help_string(action)
+        rng = getattr(action.type, "range_text", "")
+        if not rng:
             return text
-        return super()._get_help_string(action)
+        if text.endswith(")") and "default" in text[text.rfind("("):]:  # into the default's parentheses
+            return f"{text[:-1]}; {rng})"
+        return f"{text} ({rng})"
+
+
+class Default:
+    """An option's default as the parser stores it, so that a command can tell a value typed from the
+    same value left alone (an option that would have no effect is refused only where it was typed);
+    --help shows the value. `fill_defaults` puts the values in place after parsing."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+
+def fill_defaults(args) -> frozenset:
+    """Replace every Default left in `args` by its value; the names of those options (not typed)."""
+    left = frozenset(k for k, v in vars(args).items() if isinstance(v, Default))
+    for k in left:
+        setattr(args, k, getattr(args, k).value)
+    return left
 
 
 class _Subcommands(argparse._SubParsersAction):
@@ -78,6 +104,7 @@ def int_range(name: str, lo: int, hi: int | None = None):
         if v < lo or (hi is not None and v > hi):
             raise argparse.ArgumentTypeError(f"{name} must be {_range_text(lo, hi)}, got {text}")
         return v
+    conv.range_text = f"{lo} to {hi}" if hi is not None else f"at least {lo}"
     return conv
 
 
@@ -96,6 +123,7 @@ def float_range(name: str, lo: float, hi: float):
         if not (math.isfinite(v) and lo <= v <= hi):
             raise argparse.ArgumentTypeError(f"{name} must be a finite number >= {lo:g} and <= {hi:g}, got {text}")
         return v
+    conv.range_text = f"{lo:g} to {hi:g}"
     return conv
 
 
@@ -109,6 +137,17 @@ def divisor_of(name: str, n: int, what: str):
             raise argparse.ArgumentTypeError(f"{name} must divide {what} ({n}): one of "
                                              f"{', '.join(map(str, allowed))}, got {text}")
         return v
+    conv.range_text = f"divides {n}: {', '.join(map(str, allowed))}"
+    return conv
+
+
+def in_file(name: str, what: str):
+    """argparse type: a path to read `what` from; refused when empty (Path("") is the working directory,
+    which the loaders would report as a directory nobody named). The loaders check the file itself."""
+    def conv(text: str) -> str:
+        if not text.strip():
+            raise argparse.ArgumentTypeError(f"{name}: an empty path; give {what}")
+        return text
     return conv
 
 
@@ -159,19 +198,24 @@ def _probe_writable(name: str, p: Path) -> None:
         p.unlink(missing_ok=True)
 
 
-# what matplotlib's savefig writes (Agg, PDF, PS, SVG, PGF backends)
-PLOT_SUFFIXES = (".png", ".pdf", ".svg", ".svgz", ".eps", ".ps", ".jpg", ".jpeg", ".tif", ".tiff", ".webp", ".pgf")
+# what matplotlib's savefig writes with its own backends (Agg with Pillow, PDF, PS, SVG); not .pgf, which
+# needs a LaTeX installation and would fail only after the work
+PLOT_SUFFIXES = (".png", ".pdf", ".svg", ".svgz", ".eps", ".ps", ".jpg", ".jpeg", ".tif", ".tiff", ".webp")
 
 
 def plot_file(name: str):
     """argparse type: out_file for a figure, whose suffix says its format (one of PLOT_SUFFIXES);
-    without one, .png is added (the name printed is then the file written)."""
+    without one, .png is added (the name printed is then the file written). A figure is a file: a
+    device or pipe (/dev/full, /dev/stdout) is refused as it is, with no suffix added."""
     check = out_file(name)
 
     def conv(text: str) -> str:
         suffix = Path(text).suffix.lower()
         if Path(text).is_dir() or not text.strip():
             return check(text)  # its own error: a directory, no name
+        if Path(text).exists() and not Path(text).is_file():
+            raise argparse.ArgumentTypeError(f"{name} {text!r}: not a regular file (a device or a pipe); a "
+                                             "figure is written to a file")
         if not suffix:
             text += ".png"
         elif suffix not in PLOT_SUFFIXES:
@@ -179,6 +223,15 @@ def plot_file(name: str):
                                              f"use one of {', '.join(PLOT_SUFFIXES)}")
         return check(text)
     return conv
+
+
+def escaped(text: str, values) -> str:
+    """`text` with each of `values` (arguments as typed) that holds a newline or another control
+    character written as Python writes it in quotes ('a\\nb'), so that a path cannot split an error
+    line; longest first, so that no shorter argument inside a longer one is escaped on its own."""
+    for value in sorted((v for v in values if isinstance(v, str) and not v.isprintable()), key=len, reverse=True):
+        text = text.replace(value, repr(value)[1:-1])
+    return text
 
 
 def flag_error(err) -> str:

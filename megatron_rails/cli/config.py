@@ -3,7 +3,7 @@
     megatron-rails config validate configs/**/*.yaml          # OK per file; every error, exit 1
     megatron-rails config show configs/mini/mini-mixtral.yaml balancer.policy=ultraep training.train_iters=10
     megatron-rails config show FILE --get parallelism.backend   # one value (the Slurm launcher uses it)
-    megatron-rails config show FILE --megatron-args             # pretrain_gpt.py flags
+    megatron-rails config show FILE --megatron-args             # pretrain_gpt.py flags, as shell lines
     megatron-rails config docs --out docs/configuration.md      # regenerate the reference
 """
 from __future__ import annotations
@@ -13,7 +13,7 @@ import shlex
 import textwrap
 import sys
 
-from .args import out_file
+from .args import escaped, out_file
 
 WIDTH = 80  # the widest line normal output prints
 
@@ -82,53 +82,84 @@ def _after(lead: str, text: str, indent: str) -> str:
     return textwrap.fill(text, WIDTH, initial_indent=lead + " ", **kw)
 
 
+def _load(path: str, overrides=()):
+    """load_any of a file or preset name; messages call a preset by its name, not its package path."""
+    from ..config.run import load_any
+
+    found = resolve_file(path)
+    return load_any(found, overrides, name=path if found != path else None)
+
+
 def cmd_validate(args) -> int:
     from ..core.policy import ConfigError
-    from ..config.run import load_any
 
     failed = 0
     for path in args.files:
         try:
-            obj = load_any(resolve_file(path))
+            obj = _load(path)
         except ConfigError as err:
             failed += 1
-            for line in getattr(err, "errors", None) or str(err).splitlines():
+            # a path with a newline in it cannot split a line
+            text = escaped("\n".join(getattr(err, "errors", None) or [str(err)]), [path])
+            for line in text.splitlines():
                 print(f"error: {line}", file=sys.stderr)
             continue
-        print(_after(f"OK {path}", f"({_summary(obj)})", "  "))
+        print(_after(f"OK {escaped(path, [path])}", f"({_summary(obj)})", "  "))
     if failed:
         print(f"{failed} of {len(args.files)} file(s) invalid", file=sys.stderr)
     return 1 if failed else 0
 
 
 def _get(data: dict, dotted: str):
+    from ..config.schema import suggest
     from ..core.policy import ConfigError
 
-    node = data
+    if not dotted.strip():
+        raise ConfigError("--get: an empty key; give a dotted key of the config, e.g. parallelism.backend")
+    node, seen = data, []
     for part in dotted.split("."):
         if not isinstance(node, dict) or part not in node:
-            raise ConfigError(f"--get {dotted}: no such key in the resolved config")
+            hint = suggest(part, node, "".join(f"{k}." for k in seen)) if isinstance(node, dict) else \
+                f"; {'.'.join(seen)} is a value, not a section"
+            raise ConfigError(f"--get {dotted}: no such key in the resolved config{hint}")
         node = node[part]
+        seen.append(part)
     return node
+
+
+def shell_lines(words: list[str], width: int = WIDTH) -> str:
+    """`words` (flags, each followed by its values) as shell text to paste after a command: each flag
+    with its values on one line where they fit, lines packed to `width` columns and continued with
+    ` \\`; one flag with a longer value gets a line of its own, however long."""
+    groups: list[list[str]] = []
+    for w in words:
+        if w.startswith("--") or not groups:
+            groups.append([])
+        groups[-1].append(w)
+    lines: list[str] = []
+    for g in (shlex.join(g) for g in groups):
+        if lines and len(lines[-1]) + 1 + len(g) + 2 <= width:  # 2: the " \\" that ends the line
+            lines[-1] += " " + g
+        else:  # continuation lines indented, as a pasted command shows them
+            lines.append(("  " if lines else "") + g)
+    return " \\\n".join(lines)
 
 
 def cmd_show(args) -> int:
     import yaml
 
-    from ..config.run import load_any
-
     if args.megatron_args and args.get:
         from ..core.policy import ConfigError
 
         raise ConfigError("--get and --megatron-args print different things: give one of them")
-    obj = load_any(resolve_file(args.file), args.overrides)
+    obj = _load(args.file, args.overrides)
     data = _as_dict(obj)
     if args.megatron_args:
         if _kind(obj) != "run":
             from ..core.policy import ConfigError
 
             raise ConfigError(f"{args.file}: --megatron-args needs a run config, this is a {_kind(obj)} config")
-        print(shlex.join(obj.megatron_args()))
+        print(shell_lines(obj.megatron_args()))
         return 0
     if args.get:
         for key in args.get:
@@ -148,8 +179,9 @@ def cmd_docs(args) -> int:
 
     text = generate()
     if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
+        from ..core.outfile import write_text
+
+        write_text(args.out, text)
     else:
         print(text, end="")
     return 0
@@ -172,7 +204,9 @@ def register(sub) -> None:
                         "e.g. slots=2)")
     s.add_argument("--get", action="append", metavar="KEY",
                    help="print only this dotted key (repeatable; default: the whole config)")
-    s.add_argument("--megatron-args", action="store_true", help="print the Megatron-LM flags of a run config")
+    s.add_argument("--megatron-args", action="store_true",
+                   help="print the Megatron-LM flags of a run config, as lines continued with \\ (paste after "
+                        "pretrain_gpt.py \\)")
     s.set_defaults(func=cmd_show)
     d = csub.add_parser("docs", help="print (or --out) docs/configuration.md, generated from the dataclasses")
     d.add_argument("--out", type=out_file("--out"), help="write here instead of stdout (default: stdout)")

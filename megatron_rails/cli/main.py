@@ -2,7 +2,8 @@
 
 Every command checks its arguments before it works: a bad one exits 2 with one line naming it and what
 is allowed (`main` turns the package's input errors into that line; anything else is a bug and keeps its
-traceback)."""
+traceback). An option that would have no effect is refused too, where it was typed (args.unset: the
+options left at their default)."""
 from __future__ import annotations
 
 import argparse
@@ -12,7 +13,9 @@ import sys
 import warnings
 
 from ..core.errors import ChildFailed, InputError, PlanError
-from .args import CliParser, divisor_of, flag_error, float_range, int_range, out_file, plot_file
+from ..core.outfile import WriteError
+from .args import (CliParser, Default, divisor_of, escaped, fill_defaults, flag_error, float_range, in_file, int_range,
+                   out_file, plot_file)
 
 # bounds far beyond real expert parallelism, there so that a typo fails here and not in numpy
 MAX_RANKS = 4096
@@ -30,32 +33,33 @@ USER_ERRORS = (InputError, PlanError, ChildFailed, FileNotFoundError, IsADirecto
 
 def _add_workload_args(p) -> None:
     from ..core.policy import MAX_EXPERTS, MAX_SLOTS
-    from ..core.workloads import SKEW_FORMS
+    from ..core.workloads import COUNTS_FILES, SKEW_FORMS
 
     p.add_argument("--ranks", type=int_range("--ranks", 1, MAX_RANKS),
                    help=f"expert-parallel size D (default: {DEFAULT_RANKS}; with --counts: the file's)")
     p.add_argument("--experts", type=int_range("--experts", 1, MAX_EXPERTS),
                    help=f"number of experts E (default: {DEFAULT_EXPERTS}; with --counts: the file's)")
-    p.add_argument("--topk", type=int_range("--topk", 1, MAX_EXPERTS), default=2, help="experts per token")
-    p.add_argument("--tokens-per-rank", type=int_range("--tokens-per-rank", 1, MAX_TOKENS), default=4096,
+    # Default(...): these shape a generated workload only; typed beside --counts they are refused
+    p.add_argument("--topk", type=int_range("--topk", 1, MAX_EXPERTS), default=Default(2), help="experts per token")
+    p.add_argument("--tokens-per-rank", type=int_range("--tokens-per-rank", 1, MAX_TOKENS), default=Default(4096),
                    help="tokens each rank routes per step")
     p.add_argument("--slots", type=int_range("--slots", 0, MAX_SLOTS), default=1,
                    help="R: expert slots per rank beyond ceil(E/D) (redundant replicas; fsep uses ceil(E/D)+R; "
                         "eplb, ultraep and lp need >= 1)")
-    p.add_argument("--ranks-per-node", type=int_range("--ranks-per-node", 1, MAX_RANKS), default=8,
-                   help="ranks sharing a node (G; divides D)")
+    p.add_argument("--ranks-per-node", type=int_range("--ranks-per-node", 1, MAX_RANKS), default=Default(8),
+                   help="ranks sharing a node (G): a divisor of D, or >= D for one node")
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--skew", default="zipf:1.2", help=f"synthetic routing: {SKEW_FORMS}")
-    src.add_argument("--counts", help="a saved counts matrix instead of a generated one: .npy/.json [D,E] (or "
-                                      "[steps,D,E], [steps,layers,D,E]: the first) or a `megatron-rails trace` .npz "
-                                      "(default: none, the --skew workload)")
-    p.add_argument("--seed", type=int_range("--seed", 0, MAX_SEED), default=0, help="workload seed")
+    src.add_argument("--skew", default="zipf:1.2", help=f"synthetic routing: {SKEW_FORMS} (PATH: {COUNTS_FILES})")
+    src.add_argument("--counts", type=in_file("--counts", f"a counts file ({COUNTS_FILES})"),
+                     help=f"a saved counts matrix instead of a generated one: {COUNTS_FILES}; [D,E], or the first "
+                          "of [steps,D,E], [steps,layers,D,E] (default: none, the --skew workload)")
+    p.add_argument("--seed", type=int_range("--seed", 0, MAX_SEED), default=Default(0), help="workload seed")
 
 
 def _counts_from_args(args):
     from ..core.workloads import WorkloadSpec, counts
 
-    if args.counts:
+    if args.counts is not None:
         return _counts_file(args)
     E = args.experts or DEFAULT_EXPERTS
     if args.topk > E:
@@ -79,7 +83,40 @@ def _counts_file(args):
         if given is not None and given != got:
             raise InputError(f"{flag} {given} disagrees with --counts {args.counts}, which is [D={c.shape[0]}, "
                              f"E={c.shape[1]}]; drop {flag} or give a matching file")
+    if not c.any():  # every figure would compare idle ranks (simulate run --trace refuses it alike)
+        raise InputError(f"--counts {args.counts}: every count is 0 (in the first [D, E] matrix, the one plan "
+                         "reads); there are no tokens to plan")
     return c
+
+
+# which policies read each of plan's policy options (core/planners/base.py PlannerConfig):
+# policy, placement -> whether it does
+PLAN_OPTION_USERS = {
+    "window": ("eplb, and lp on --placement eplb", lambda p, pl: p == "eplb" or (p == "lp" and pl == "eplb")),
+    "interval": ("eplb, and lp on --placement eplb", lambda p, pl: p == "eplb" or (p == "lp" and pl == "eplb")),
+    "placement": ("lp", lambda p, pl: p == "lp"),
+    "tolerance": ("eplb, ultraep, fsep and lp (not on --placement static)",
+                  lambda p, pl: p not in ("none", "lp") or (p == "lp" and pl != "static")),
+}
+
+
+def _plan_ignored_options(args) -> None:
+    """Refuse a typed option the plan would not use: the workload's shape beside --counts (the file
+    fixes it), a policy option the chosen policy does not read."""
+    typed = [k for k in ("topk", "tokens_per_rank", "seed") if k not in args.unset]
+    if args.counts is not None and typed:
+        flags = ", ".join(f"--{k.replace('_', '-')}" for k in typed)
+        them = "them" if len(typed) > 1 else "it"
+        raise InputError(f"--counts {args.counts} fixes the routing, so {flags} would change nothing (only a "
+                         f"generated --skew workload reads {them}): drop {flags}")
+    for key, (users, uses) in PLAN_OPTION_USERS.items():
+        if key not in args.unset and not uses(args.policy, args.placement):
+            raise InputError(f"--{key} would change nothing with --policy {args.policy}{_placement(args)}: only "
+                             f"{users} use it; drop --{key}")
+
+
+def _placement(args) -> str:
+    return f" --placement {args.placement}" if args.policy == "lp" else ""
 
 
 def _plan_policy_check(args) -> None:
@@ -93,19 +130,25 @@ def _plan_policy_check(args) -> None:
         raise InputError(flag_error(err)) from None
 
 
-def _node_size_check(G: int, D: int) -> None:
+def _node_size_check(G: int, D: int, typed: bool) -> None:
+    """G ranks per node must divide the D ranks, or hold them all (G >= D: one node). Said of the
+    default 8 as the default, with what to pass, when --ranks-per-node was not typed."""
     if G < D and D % G:
-        raise InputError(f"--ranks-per-node {G} must divide the {D} ranks (or be >= them: one node)")
+        fits = ", ".join(str(g) for g in range(1, D) if D % g == 0)
+        what = f"--ranks-per-node {G}" if typed else f"--ranks-per-node is {G} by default, which"
+        raise InputError(f"{what} must divide the {D} ranks or be >= {D} (one node): pass --ranks-per-node "
+                         f"{fits} or {D}")
 
 
 def cmd_plan(args) -> int:
     from ..core.planners import PlannerConfig
     from ..bench.measure import measure, pin_one_core
 
+    _plan_ignored_options(args)
     _plan_policy_check(args)
     counts = _counts_from_args(args)
     D, E = counts.shape
-    _node_size_check(args.ranks_per_node, D)
+    _node_size_check(args.ranks_per_node, D, "ranks_per_node" not in args.unset)
     pin_one_core()
     cfg = PlannerConfig(D, E, args.ranks_per_node, args.slots, window=args.window, interval=args.interval,
                         placement=args.placement, tolerance=args.tolerance)
@@ -125,6 +168,12 @@ def cmd_plan(args) -> int:
     return 0
 
 
+# what each benchmark measures, in a phrase (bench --help)
+BENCH_MEASURES = {"planners": "plan() time and balance of every policy over EP sizes, experts, skews",
+                  "dispatcher": "one MoE layer's forward+backward per policy on gloo ranks",
+                  "rails": "direct vs ecmp vs RailS all-to-all time in the flow model",
+                  "local": "one rank's local token work vs Megatron-Core's permute/unpermute",
+                  "step": "training-step time per policy with gradient accumulation"}
 # the options each benchmark takes beyond --out and --quick (an option it would ignore is refused)
 BENCH_OPTIONS = {"planners": ("plot",), "dispatcher": (), "rails": ("plot",),
                  "local": ("device", "shape", "dtype", "rounds"), "step": ("plot", "ranks", "microbatches", "rounds")}
@@ -132,19 +181,31 @@ BENCH_OPTIONS = {"planners": ("plot",), "dispatcher": (), "rails": ("plot",),
 
 def _bench_args(args) -> None:
     """Refuse options the chosen benchmark does not take, and a figure that would overwrite --out;
-    fill in the defaults of those it takes."""
+    fill in the defaults of those it takes. A figure's default name is --out's with .png; where --out
+    is no file (/dev/stdout, a pipe), there is no default figure (plot False) unless --plot names one."""
     ignored = [f"--{k}" for k in ("plot", "device", "shape", "dtype", "ranks", "microbatches", "rounds")
                if getattr(args, k) is not None and k not in BENCH_OPTIONS[args.what]]
     if ignored:
         takes = ", ".join(f"--{k}" for k in BENCH_OPTIONS[args.what]) or "no options but --out and --quick"
         raise InputError(f"bench {args.what} does not take {', '.join(ignored)} (it takes {takes})")
     if "plot" in BENCH_OPTIONS[args.what]:
+        from ..core.outfile import writes_in_place
+
+        if args.plot is None and writes_in_place(args.out):
+            args.plot = False
+            print(f"bench {args.what}: no figure (--out {args.out} is no file to put one beside; give --plot FILE "
+                  "for one)", file=sys.stderr)
+            return _bench_defaults(args)
         png = args.plot or os.path.splitext(args.out)[0] + ".png"
         if os.path.abspath(png) == os.path.abspath(args.out):
             raise InputError(f"--out {args.out}: the figure would overwrite the results; give --out a .json "
                              "name, or --plot another file")
-    for k, default in (("device", "cpu"), ("shape", "mixtral-8x7b"), ("dtype", "bfloat16"), ("ranks", 2),
-                       ("microbatches", 8)):
+    _bench_defaults(args)
+
+
+def _bench_defaults(args) -> None:
+    for k, default in (("device", "cpu"), ("shape", "tiny" if args.quick else "mixtral-8x7b"), ("dtype", "bfloat16"),
+                       ("ranks", 2), ("microbatches", 8)):
         if getattr(args, k) is None:
             setattr(args, k, default)
 
@@ -169,7 +230,7 @@ def cmd_bench(args) -> int:
     if args.what == "local":
         from ..bench.local import bench_local
 
-        bench_local(args.out, shape_name="tiny" if args.quick else args.shape, device=args.device,
+        bench_local(args.out, shape_name=args.shape, device=args.device,
                     dtype=args.dtype, reps=args.rounds or (5 if args.quick else 200))
         return 0
     if args.what == "step":
@@ -206,6 +267,10 @@ def cmd_demo(args) -> int:
         return planner_demo(json_out=args.json)
     from ..demo.run import run_demo
 
+    if args.config is not None:  # read as `config validate` reads a policy file: the same words for its errors
+        from ..config.run import load_policy
+
+        load_policy(args.config)
     png = args.plot
     if png is None:  # the default, in the working directory: checked as a given --plot would be
         try:
@@ -229,16 +294,18 @@ def _add_plan(sub) -> None:
     p = sub.add_parser("plan", help="plan one counts matrix with one policy and report balance and latency")
     p.add_argument("--policy", required=True, choices=POLICIES, help="the planner")
     _add_workload_args(p)
-    p.add_argument("--window", type=int_range("--window", 1, 1 << 20), default=10,
+    # Default(...): each is refused where typed for a policy that does not read it (PLAN_OPTION_USERS)
+    p.add_argument("--window", type=int_range("--window", 1, 1 << 20), default=Default(10),
                    help="eplb: moving-average window (steps)")
-    p.add_argument("--interval", type=int_range("--interval", 1, 1 << 20), default=10,
+    p.add_argument("--interval", type=int_range("--interval", 1, 1 << 20), default=Default(10),
                    help="eplb: re-plan period (steps)")
-    p.add_argument("--placement", default="ultraep", choices=PLACEMENTS, help="lp: the placement it schedules on")
-    p.add_argument("--tolerance", type=float_range("--tolerance", 0.0, 1.0), default=0.0,
+    p.add_argument("--placement", default=Default("ultraep"), choices=PLACEMENTS,
+                   help="lp: the placement it schedules on")
+    p.add_argument("--tolerance", type=float_range("--tolerance", 0.0, 1.0), default=Default(0.0),
                    help="owner-layout policies keep the stock layout while its max/mean is <= 1 + this "
                         "(0 here: the planner's exact behaviour; policy configs default to 0.05)")
     p.add_argument("--repeats", type=int_range("--repeats", 1, 2000), default=50,
-                   help="minimum timed plan() calls (at most 2000 are made)")
+                   help="minimum timed plan() calls (a plan makes as many as fit in --budget, up to 2000)")
     p.add_argument("--budget", type=float_range("--budget", 0.0, 3600.0), default=0.5,
                    help="seconds spent timing (at least --repeats calls)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -247,13 +314,18 @@ def _add_plan(sub) -> None:
 
 def _add_bench(sub) -> None:
     b = sub.add_parser("bench", help="benchmarks; results as JSON (+ PNG)")
-    b.add_argument("what", choices=["planners", "dispatcher", "rails", "local", "step"], help="which benchmark")
-    b.add_argument("--out", required=True, type=out_file("--out"), help="JSON output file")
+    b.add_argument("what", choices=list(BENCH_MEASURES),
+                   help="which benchmark: " + "; ".join(f"{k}: {v}" for k, v in BENCH_MEASURES.items()))
+    b.add_argument("--out", required=True, type=out_file("--out"),
+                   help="JSON output file, written when the run ends (planners and rails keep what they have "
+                        "measured in OUT.partial meanwhile)")
     b.add_argument("--plot", type=plot_file("--plot"),
-                   help="planners, rails, step: the figure (default: --out's name with .png)")
+                   help="planners, rails, step: the figure (default: --out's name with .png; none where --out is "
+                        "a device such as /dev/stdout)")
     b.add_argument("--quick", action="store_true", help="a small grid for smoke runs")
     b.add_argument("--device", help="local: torch device of the timed work (cpu, cuda, cuda:N; default: cpu)")
-    b.add_argument("--shape", choices=BENCH_SHAPES, help="local: the layer shape (default: mixtral-8x7b)")
+    b.add_argument("--shape", choices=BENCH_SHAPES, help="local: the layer shape (default: mixtral-8x7b, tiny with "
+                   "--quick)")
     b.add_argument("--dtype", choices=BENCH_DTYPES, help="local: dtype of the hidden states (default: bfloat16)")
     b.add_argument("--ranks", type=int_range("--ranks", 1, MAX_RANKS),
                    help="step: gloo ranks, one core each (at most the cores; default: 2)")
@@ -280,7 +352,8 @@ def _add_soak(sub) -> None:
     k.add_argument("--steps", type=int_range("--steps", 0, 10**6), default=200,
                    help="dispatcher steps compared with stock (0: skip)")
     k.add_argument("--ranks", type=divisor_of("--ranks", DEMO_EXPERTS, "the soak layer's experts"), default=4,
-                   help="gloo ranks of the dispatcher soak (= expert-parallel size; divides the 8 experts)")
+                   help="gloo ranks of the dispatcher soak (= expert-parallel size, over the soak layer's 8 "
+                        "experts)")
     k.add_argument("--out", type=out_file("--out"), help="write the result JSON here (default: not written)")
     k.add_argument("--json", action="store_true", help="print the result as one JSON object")
     k.set_defaults(func=_run_soak)
@@ -291,15 +364,16 @@ def _add_demo(sub) -> None:
 
     d = sub.add_parser("demo", help="train a tiny Mixtral-shaped model on CPU ranks, one core each: none vs the "
                                     "configured policy")
-    d.add_argument("--config", help="policy YAML or preset name (" + ", ".join(presets.names(presets.POLICY_DIR))
+    d.add_argument("--config", type=in_file("--config", "a policy YAML or a preset name"),
+                   help="policy YAML or preset name (" + ", ".join(presets.names(presets.POLICY_DIR))
                    + "; default: the shipped default policy)")
     # defaults None (said in the help) so that --planners can tell what was given
     d.add_argument("--steps", type=int_range("--steps", 1, 10000), help=f"optimizer steps (default: {DEMO_STEPS})")
     d.add_argument("--microbatches", type=int_range("--microbatches", 1, 1024),
                    help=f"microbatches per optimizer step (accumulated; default: {DEMO_MICROBATCHES})")
     d.add_argument("--ranks", type=divisor_of("--ranks", DEMO_EXPERTS, "the demo model's experts"),
-                   help="CPU ranks (= expert-parallel size; divides the 8 experts; default: the cores, at least 2 "
-                        "and at most 4; every rank on a core of its own where the cores suffice)")
+                   help="CPU ranks (= expert-parallel size, over the model's 8 experts; default: the cores, at "
+                        "least 2 and at most 4; every rank on a core of its own where the cores suffice)")
     d.add_argument("--plot", type=plot_file("--plot"), help=f"PNG of imbalance per step (default: {DEMO_PLOT})")
     d.add_argument("--planners", action="store_true", help="instead: compare every planner on skewed steps "
                    "(planning only: takes none of the training options)")
@@ -326,13 +400,31 @@ def build_parser() -> CliParser:
     return parser
 
 
-def report(prog: str, err: BaseException) -> None:
+def report(prog: str, err: BaseException, args=None) -> None:
     """The one place input errors become `PROG: error: ...` lines on stderr: one per problem (a config
-    file lists each of its problems on its own line; a failed run adds its output's tail)."""
-    lines = getattr(err, "errors", None) or str(err).splitlines() or [type(err).__name__]
+    file lists each of its problems on its own line; a failed run adds its output's tail). An argument
+    with a newline or other control character in it (a path) is shown escaped, as Python writes it in
+    quotes, so that it cannot split its line."""
+    text = escaped("\n".join(getattr(err, "errors", None) or [str(err)]), _typed_strings(args))
+    lines = text.splitlines() or [type(err).__name__]
     print(f"{prog}: error: {lines[0]}", file=sys.stderr)
     for line in lines[1:]:
         print(line if isinstance(err, ChildFailed) else f"{prog}: error: {line}", file=sys.stderr)
+
+
+def _typed_strings(args) -> list[str]:
+    """Every string argument of the command (lists of them too)."""
+    found = []
+    for v in vars(args).values() if args is not None else ():
+        found += [x for x in (v if isinstance(v, list) else [v]) if isinstance(x, str)]
+    return found
+
+
+def _write_error(err: WriteError, args) -> str:
+    """'--out FILE: why': the option that named the file (none for a file named after another)."""
+    flag = next((f"--{k.replace('_', '-')} " for k, v in vars(args).items() if k in ("out", "plot")
+                 and isinstance(v, str) and os.path.abspath(v) == os.path.abspath(err.filename)), "")
+    return f"{flag}{err.filename}: {err.strerror}"
 
 
 def main(argv=None) -> int:
@@ -348,10 +440,17 @@ def main(argv=None) -> int:
         else:  # the subcommand's own name and --help, not the top level's
             print(f"{prog}: error: unrecognized arguments: {' '.join(extra)} (see {prog} --help)", file=sys.stderr)
             return 2
+    args.unset = fill_defaults(args)
     try:
         return args.func(args)
+    except KeyboardInterrupt:  # Ctrl-C: the user knows why; a traceback would only bury the prompt
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130
+    except WriteError as err:  # a result file could not be written (what was there before is kept)
+        report(prog, InputError(_write_error(err, args)), args)
+        return 1
     except USER_ERRORS as err:
-        report(prog, err)
+        report(prog, err, args)
         return 2
     except MemoryError as err:  # sizes within every flag's bounds can still outgrow this machine together
         report(prog, InputError(f"out of memory ({str(err) or 'an allocation failed'}); try smaller sizes"))
@@ -365,7 +464,7 @@ def main(argv=None) -> int:
         # the machine refused a write or read the arguments could not foresee (disk full, a device
         # file): one line, as for bad input, with the operating system's reason
         where = f": {err.filename}" if err.filename else ""
-        report(prog, OSError(f"{err.strerror or err}{where}"))
+        report(prog, OSError(f"{err.strerror or err}{where}"), args)
         return 1
 
 

@@ -62,8 +62,9 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     text = generate()
     if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
+        from ..core.outfile import write_text
+
+        write_text(args.out, text)
     else:
         sys.stdout.write(text)
     return 0

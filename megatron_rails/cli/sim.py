@@ -26,7 +26,7 @@ def register(subparsers) -> None:
         description="Simulate one dispatch all-to-all under three routing schemes (fluid model, see docs/rails.md).")
     p.add_argument("--topology", default="dgx-h100", help=f"preset name ({', '.join(presets())}) or a YAML path")
     p.add_argument("--nodes", type=int_range("--nodes", 1, MAX_WORLD), required=True,
-                   help=f"number of nodes (at most {MAX_WORLD} GPUs in all)")
+                   help=f"number of nodes; at most {MAX_WORLD} GPUs in all")
     p.add_argument("--traffic", default="zipf:1.2",
                    help=f"traffic family: {TRAFFIC_FORMS}; SKEW: {SKEW_HERE} ({DEFAULT_SKEW} if left out); "
                         f"POLICY: {', '.join(POLICIES)} ({PolicyConfig().policy} if left out) (default: %(default)s)")
@@ -66,7 +66,7 @@ def register_trace(subparsers) -> None:
     p.add_argument("--steps", type=int_range("--steps", 1, 10000), default=10, help="training steps to record")
     p.add_argument("--policy", default="none", choices=POLICIES, help="policy the demo trains with")
     p.add_argument("--ranks", type=divisor_of("--ranks", 8, "the demo model's experts"), default=4,
-                   help="gloo ranks = expert-parallel size (divides the 8 experts)")
+                   help="gloo ranks = expert-parallel size, over the demo model's 8 experts")
     p.add_argument("--slots", type=int_range("--slots", 0, MAX_SLOTS), default=2,
                    help="redundant slots per rank for the policy")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")

@@ -4,7 +4,8 @@ from __future__ import annotations
 import json
 import sys
 
-from .args import float_range, int_range, plot_file
+from ..core.errors import InputError
+from .args import Default, float_range, in_file, int_range, plot_file
 from .config import override_help
 from ..core.policy import MAX_SLOTS
 from ..sim.model import A2A_MODELS, MIN_MFU, OVERLAPS, WEIGHT_SYNCS
@@ -16,7 +17,7 @@ MAX_STEPS = 10000  # each step plans every layer with every policy and keeps its
 def register_run(subparsers) -> None:
     from ..core.planners import POLICIES
     from ..core.policy import COMMS
-    from ..core.workloads import SKEW_FORMS
+    from ..core.workloads import COUNTS_FILES, SKEW_FORMS
 
     p = subparsers.add_parser(
         "run", help="iteration time of a run config per policy x comm (compute, all-to-all, weights, planner)",
@@ -33,16 +34,17 @@ def register_run(subparsers) -> None:
     p.add_argument("--comm", default=",".join(COMMS), help=f"comma-separated comm schemes ({', '.join(COMMS)})")
     p.add_argument("--steps", type=int_range("--steps", 1, MAX_STEPS), default=5, help="simulated iterations")
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--skew", default="zipf:1.2", help=f"synthetic routing: {SKEW_FORMS}")
-    src.add_argument("--trace", help="replay a counts trace (megatron-rails trace .npz, or .npy/.json counts) "
-                                     "instead of the --skew workload (default: none)")
-    p.add_argument("--trace-tokens", choices=("scale", "raw"), default="scale",
-                   help="scale: rescale each trace row to the config's tokens per rank; raw: as recorded")
+    src.add_argument("--skew", default="zipf:1.2", help=f"synthetic routing: {SKEW_FORMS} (PATH: {COUNTS_FILES})")
+    src.add_argument("--trace", type=in_file("--trace", f"a trace file ({COUNTS_FILES})"),
+                     help=f"replay a counts trace ({COUNTS_FILES}) instead of the --skew workload (default: none)")
+    p.add_argument("--trace-tokens", choices=("scale", "raw"), default=Default("scale"),
+                   help="with --trace: scale: rescale each trace row to the config's tokens per rank; raw: as "
+                        "recorded")
     p.add_argument("--seed", type=int_range("--seed", 0, 2**32 - 1), default=0, help="workload seed")
     p.add_argument("--slots", type=int_range("--slots", 0, MAX_SLOTS),
                    help="redundant slots per rank for every policy (default: the config's balancer)")
     p.add_argument("--mfu", type=float_range("--mfu", MIN_MFU, 1.0), default=0.5,
-                   help=f"GEMM efficiency: achieved / peak gpu_tflops, in [{MIN_MFU:g}, 1]")
+                   help="GEMM efficiency: achieved / peak gpu_tflops")
     p.add_argument("--overlap", choices=OVERLAPS, default="none",
                    help="none: everything in sequence; weights: weight movement hidden behind dense compute")
     p.add_argument("--weight-sync", choices=WEIGHT_SYNCS, default="iteration",
@@ -67,11 +69,14 @@ def run(args) -> dict:
     from ..sim.model import Setup, SimOptions
     from ..sim.run import Workload, check_names, planners_for, simulate_run
 
+    if args.trace is None and "trace_tokens" not in args.unset:
+        raise InputError("--trace-tokens says how to replay a --trace: give --trace FILE, or drop --trace-tokens")
     policies, comms = check_names(args.policies, args.comm)  # fail before loading anything
     SimOptions(mfu=args.mfu, overlap=args.overlap, a2a_model=args.a2a_model, weight_sync=args.weight_sync)
     rc = load_run_config(args.config, [*args.overrides, *args.set])
     setup = Setup.from_run_config(rc, args.slots)
-    planners_for(setup, policies)  # each policy can run on the config's slots: said before any output
+    # each policy can run on the slots (--slots, else the config's): said before any output
+    planners_for(setup, policies, slots_flag=args.slots is not None)
     dedup = args.dedup == "on" if args.dedup else bool(getattr(setup.policy, "dedup", True))
     opts = SimOptions(mfu=args.mfu, overlap=args.overlap, a2a_model=args.a2a_model, weight_sync=args.weight_sync,
                       dedup=dedup)
@@ -106,12 +111,12 @@ def cmd_run(args) -> int:
 
     result = run(args)
     if args.plot:
-        plot(result, args.plot)
         result["plot"] = args.plot
-    if args.json:
-        print(json.dumps(result))
+    if args.json:  # the results first: a figure that fails loses none of them
+        print(json.dumps(result), flush=True)
     else:
         print_table(result, wide=args.wide)
     if args.plot:
+        plot(result, args.plot)
         print(f"wrote {args.plot}", file=sys.stderr)
     return 0

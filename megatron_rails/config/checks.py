@@ -104,9 +104,12 @@ def check_run(cfg, where: str, origin: dict):
             err("balancer.ranks_per_node", f"{bal.ranks_per_node}, but this layout puts {G_ep} ranks of each "
                 f"expert-parallel group on a node (topology.gpus_per_node {G} / expert tensor parallel {etp}, "
                 f"at most expert_model_parallel_size {ep}); set {G_ep}, or 0 to derive it")
+        # the planner is tried on the layout's node size: a wrong ranks_per_node is reported once, above,
+        # not again as the planner's consequence of it
+        fixed = dataclasses.replace(bal, ranks_per_node=G_ep)
         try:
             if m.num_experts <= MAX_EXPERTS:
-                make_planner(bal.policy, bal.planner_config(ep, m.num_experts))
+                make_planner(fixed.policy, fixed.planner_config(ep, m.num_experts))
         except PlannerError as e:
             err("balancer.policy", f"{bal.policy!r} cannot serve this layout: {e}")
     if m.num_experts % ep and not any("balancer.policy" in x for x in errors):

@@ -78,7 +78,8 @@ Three kinds of YAML, one loader (`megatron_rails.config.run.load_any`, `megatron
 
 Every error names the file and the dotted key; unknown keys get a did-you-mean hint (also a misspelled key
 that hides the kind of a file, such as `polcy:`), and a topology lists all its bad keys at once. An empty
-file is an error for every kind. Numbers such as `3e-4` are accepted for number keys (PyYAML reads an
+file is an error for every kind, and so is a key that is not a name (`1:`, `true:`, `null:`: keys are
+strings) or aliases (`*name`) that expand to more than 10000 values. Numbers such as `3e-4` are accepted for number keys (PyYAML reads an
 exponent without a dot as a string); NaN and inf are not, and integer keys of the run sections are at most
 2^31 - 1 (policy and topology keys have the ranges given below).
 

@@ -17,7 +17,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..core.policy import ConfigError, PolicyConfig
+from ..core.errors import cut, shown
+from ..core.policy import ConfigError, PolicyConfig, as_policy
 from .schema import build, parse_override, raise_errors, read_yaml, resolve_ref, suggest
 from ..core import presets
 from ..core.topology import PRESET_DIR as TOPOLOGY_DIR
@@ -227,7 +228,7 @@ def apply_overrides(data: dict, overrides, kind: str, expand=None) -> tuple[dict
             if sub is None:
                 sub = {}
             if not isinstance(sub, dict):
-                raise ConfigError(f"override {text!r}: '{parts[0]}' is {sub!r}, not a mapping")
+                raise ConfigError(f"override {text!r}: '{parts[0]}' is {shown(sub)}, not a mapping")
             node[parts[0]] = node = dict(sub)
         node[parts[-1]] = value
         origin[".".join(parts)] = text
@@ -265,7 +266,7 @@ def kind_of(path, data: dict) -> str:
     # name the key the user most likely misspelled (`polcy:` -> 'policy') rather than only the rule, or
     # the key a file of this kind also needs where its other keys are right (a policy file of `slots: 2`)
     known = set(_top_keys())
-    hints = [f"unknown key '{k}'{h}" for k in data
+    hints = [f"unknown key '{cut(str(k))}'{h}" for k in data
              if k not in known and (h := suggest(k, _top_keys())).startswith("; did you mean")]
     needs = {"balancer": "a policy file names its policy (policy: fsep)",
              "topology": "a topology file gives gpus_per_node"}
@@ -284,8 +285,9 @@ def _check_is_run(path, data: dict) -> None:
                           f"training, data, balancer, topology; see configs/mini/mini-mixtral.yaml)")
 
 
-def load_any(path, overrides=()):
-    """RunConfig, PolicyConfig or Topology from a YAML file, by its directory or keys."""
+def load_any(path, overrides=(), name: str | None = None):
+    """RunConfig, PolicyConfig or Topology from a YAML file, by its directory or keys. `name`: what
+    the messages call a policy or topology file (a preset's name, not its path inside the package)."""
     data = read_yaml(path)
     kind = kind_of(path, data)
     if kind == "run":
@@ -294,9 +296,22 @@ def load_any(path, overrides=()):
     errors = []
     if kind == "topology":
         data.setdefault("name", Path(path).stem)
-    obj = build(PolicyConfig if kind == "policy" else Topology, data, str(path), "", errors, origin)
+    obj = build(PolicyConfig if kind == "policy" else Topology, data, name or str(path), "", errors, origin)
     raise_errors(errors)
     return obj
+
+
+def _build_checked(cls, data: dict, where: str):
+    errors = []
+    obj = build(cls, data, where, "", errors)
+    raise_errors(errors)
+    return obj
+
+
+def load_policy(ref) -> PolicyConfig:
+    """A policy from a preset name or a YAML path, checked and worded as `config validate` words a
+    policy file's problems (did-you-mean hints for misspelled keys, every problem on its own line)."""
+    return as_policy(ref, _build_checked)
 
 
 def load_run_config(path, overrides=()) -> RunConfig:
@@ -330,7 +345,7 @@ def load_run_config(path, overrides=()) -> RunConfig:
     errors = []
     for k in raw:
         if k not in RUN_KEYS:
-            errors.append(f"{where}: {k}: unknown key" + suggest(k, RUN_KEYS, "", _elsewhere()))
+            errors.append(f"{where}: {cut(str(k))}: unknown key" + suggest(k, RUN_KEYS, "", _elsewhere()))
     parts = {name: build(cls, raw.get(name, {}) or {}, where, f"{name}.", errors, origin, _elsewhere())
              for name, cls in SECTIONS.items()}
     nested = {}
@@ -351,6 +366,6 @@ def load_run_config(path, overrides=()) -> RunConfig:
         nested[key] = build(cls, value, where, f"{key}.", errors, origin)
     desc = raw.get("description", "")
     if not isinstance(desc, str):
-        errors.append(f"{where}: description: expected string, got {desc!r}")
+        errors.append(f"{where}: description: expected string, got {shown(desc)}")
     raise_errors(errors)
     return check_run(RunConfig(**parts, **nested, description=desc or "", source=where), where, origin)

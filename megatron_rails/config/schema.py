@@ -8,14 +8,15 @@ without a dot as text).
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import math
 import types
 import typing
 from pathlib import Path
 
+from ..core.errors import cut, shown
 from ..core.policy import ConfigError, number_text
-from ..core.yamlfile import read_mapping
+from ..core.policy import suggest as _suggest
+from ..core.yamlfile import YamlShapeError, parse, read_mapping
 
 # integer keys of run-config sections are Megatron-LM arguments and tensor sizes: int32 in Megatron-Core and
 # torch's kernels (policy and topology keys check their own, tighter, ranges)
@@ -31,17 +32,9 @@ SYNONYMS = {"steps": "train_iters", "iters": "train_iters", "iterations": "train
 
 
 def suggest(key, valid, prefix: str = "", elsewhere: dict | None = None) -> str:
-    """'; did you mean ...?' for an unknown key or value, else where it belongs, else the valid keys."""
-    key, valid = str(key), [str(v) for v in valid]
-    if key in SYNONYMS and SYNONYMS[key] in valid:
-        return f"; did you mean '{prefix}{SYNONYMS[key]}'?"
-    by_lower = {v.lower(): v for v in valid}
-    close = difflib.get_close_matches(key.lower(), list(by_lower), n=1, cutoff=0.6)
-    if close:
-        return f"; did you mean '{prefix}{by_lower[close[0]]}'?"
-    if elsewhere and key in elsewhere:
-        return f"; '{key}' belongs in the {elsewhere[key]} section ('{elsewhere[key]}.{key}')"
-    return f"; valid keys: {', '.join(sorted(valid))}"
+    """core.policy.suggest with the run-config synonyms: '; did you mean ...?', else where the key
+    belongs, else (a few of) the valid keys."""
+    return _suggest(key, valid, prefix, elsewhere, SYNONYMS)
 
 
 def type_name(tp) -> str:
@@ -81,13 +74,13 @@ def build(cls, data, where: str, prefix: str, errors: list, origin: dict | None 
     n0 = len(errors)
     if not isinstance(data, dict):
         errors.append(f"{where}: {prefix.rstrip('.') or 'top level'}: expected a mapping of keys to values, "
-                      f"got {data!r}")
+                      f"got {shown(data)}")
         return None
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     def err(key, msg):
-        src = origin.get(prefix + key)
-        errors.append(f"{where}: {prefix}{key}: {msg}" + (f" (from override '{src}')" if src else ""))
+        src = origin.get(f"{prefix}{key}")
+        errors.append(f"{where}: {prefix}{cut(str(key))}: {msg}" + (f" (from override '{src}')" if src else ""))
 
     for k in data:
         if k not in fields:
@@ -102,17 +95,17 @@ def build(cls, data, where: str, prefix: str, errors: list, origin: dict | None 
         meta = f.metadata
         own = "min" in meta  # a run-section key (config/run.py `_f`); policy and topology keys check themselves
         if not ok:
-            err(name, f"expected {type_name(hints[name])}, got {data[name]!r}")
+            err(name, f"expected {type_name(hints[name])}, got {shown(data[name])}")
         elif own and isinstance(v, float) and not math.isfinite(v):  # --lr inf would reach Megatron-LM as is
-            err(name, f"expected a finite number, got {data[name]!r}")
+            err(name, f"expected a finite number, got {shown(data[name])}")
         elif own and isinstance(v, int) and not isinstance(v, bool) and v > INT_MAX:
-            err(name, f"must be <= {INT_MAX}, got {v!r}")
+            err(name, f"must be <= {INT_MAX}, got {shown(v)}")
         elif v is not None and meta.get("choices") and v not in meta["choices"]:
             hint = suggest(v, meta["choices"])
-            err(name, f"must be one of {', '.join(map(str, meta['choices']))}, got {v!r}"
+            err(name, f"must be one of {', '.join(map(str, meta['choices']))}, got {shown(v)}"
                 + (hint if "did you mean" in hint else ""))
         elif v is not None and meta.get("min") is not None and v < meta["min"]:
-            err(name, f"must be >= {meta['min']}, got {v!r}")
+            err(name, f"must be >= {meta['min']}, got {shown(v)}")
         kwargs[name] = v
     if len(errors) > n0:
         return None
@@ -141,10 +134,15 @@ def parse_override(text: str) -> tuple[list[str], object]:
     if not sep or not all(p.strip() for p in parts):
         raise ConfigError(f"override {text!r}: expected KEY=VALUE or SECTION.KEY=VALUE, "
                           f"e.g. training.train_iters=10")
-    try:
-        return [p.strip() for p in parts], yaml.safe_load(raw)
+    try:  # the checks a file gets: string keys, bounded aliases
+        return [p.strip() for p in parts], parse(raw)
     except yaml.YAMLError as e:
-        raise ConfigError(f"override {text!r}: the value is not valid YAML ({e.problem})") from None
+        why = " ".join(str(getattr(e, "problem", None) or e).split())
+        raise ConfigError(f"override {shown(text)}: the value is not valid YAML ({why})") from None
+    except YamlShapeError as e:
+        raise ConfigError(f"override {shown(text)}: {e}") from None
+    except RecursionError:
+        raise ConfigError(f"override {shown(text)}: the value is nested too deeply to be a config value") from None
 
 
 def read_yaml(path) -> dict:

@@ -5,8 +5,32 @@
 traceback. Any other exception reaching the command is a bug and keeps its traceback.
 """
 
-
+import math
+import reprlib
 from pathlib import Path
+
+SHOWN_CHARS = 60  # the most of a value an error message shows: a file may hold values of any size
+_REPR = reprlib.Repr()  # bounded work as well as bounded text: a shared list can expand to 10^9 items
+_REPR.maxlevel, _REPR.maxlist, _REPR.maxtuple, _REPR.maxdict = 3, 8, 8, 6
+_REPR.maxstring, _REPR.maxother, _REPR.maxlong = SHOWN_CHARS, SHOWN_CHARS, 40
+
+
+def shown(value, limit: int = SHOWN_CHARS) -> str:
+    """`value` for an error message, in the words a YAML file writes it with (true, .nan; None,
+    YAML's null, as "an empty value"), at most `limit` characters (cut with "...")."""
+    if value is None:
+        return "an empty value"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float) and not math.isfinite(value):
+        return ".nan" if math.isnan(value) else ".inf" if value > 0 else "-.inf"
+    text = _REPR.repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def cut(text: str, limit: int = SHOWN_CHARS) -> str:
+    """`text` (a key, a name) as it is, at most `limit` characters (cut with "...")."""
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 class InputError(ValueError):

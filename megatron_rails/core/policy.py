@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import presets
-from .errors import InputError
+from .errors import InputError, cut, shown
 
 COMMS = ("direct", "rails")
 MAX_EXPERTS = 4096  # experts per layer the planners take: far beyond real MoE models (DeepSeek-V3: 256)
@@ -26,17 +26,46 @@ INT_RANGES = {"slots": (0, MAX_SLOTS), "ranks_per_node": (0, 1 << 16), "window":
               "interval": (1, 1 << 20), "replica_cost_tokens": (0, 1 << 40)}
 
 
+LISTED_KEYS = 8  # a section with more keys than this is not listed whole in an error line: config docs has it
+
+
 class ConfigError(InputError):
     """A configuration file or value is invalid."""
 
 
+def suggest(key, valid, prefix: str = "", elsewhere: dict | None = None, synonyms: dict | None = None) -> str:
+    """'; did you mean ...?' for an unknown key or value (a synonym, else the closest spelling), else
+    the section it belongs in (`elsewhere`: key -> section), else the valid keys where they are few,
+    else the closest few of them and where all are listed: an error stays one readable line."""
+    import difflib
+
+    key, valid = str(key), [str(v) for v in valid]
+    if synonyms and synonyms.get(key) in valid:
+        return f"; did you mean '{prefix}{synonyms[key]}'?"
+    by_lower = {v.lower(): v for v in valid}
+    close = difflib.get_close_matches(key.lower(), list(by_lower), n=1, cutoff=0.6)
+    if close:
+        return f"; did you mean '{prefix}{by_lower[close[0]]}'?"
+    if elsewhere and key in elsewhere:
+        return f"; '{key}' belongs in the {elsewhere[key]} section ('{elsewhere[key]}.{key}')"
+    if len(valid) <= LISTED_KEYS:
+        return f"; valid keys: {', '.join(sorted(valid))}"
+    near = [prefix + by_lower[v] for v in difflib.get_close_matches(key.lower(), list(by_lower), n=3, cutoff=0.3)]
+    docs = "`megatron-rails config docs` lists"
+    return f"; nearest valid keys: {', '.join(near)} ({docs} all {len(valid)})" if near else \
+        f"; {docs} the {len(valid)} valid keys"
+
+
 def from_mapping(cls, data: dict, where: str = "<dict>"):
     """Build the config dataclass `cls` from a mapping; ConfigError naming `where` and the key for
-    unknown keys (listing the valid ones) and for every value the dataclass rejects."""
+    unknown keys (with a did-you-mean hint, one line each) and for every value the dataclass rejects."""
     names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - names)
+    unknown = sorted((str(k) for k in data if k not in names))
     if unknown:
-        raise ConfigError(f"{where}: unknown key(s) {', '.join(unknown)}; valid keys: {', '.join(sorted(names))}")
+        lines = [f"{where}: {cut(k)}: unknown key{suggest(k, names)}" for k in unknown]
+        out = ConfigError("\n".join(lines))
+        out.errors = lines
+        raise out
     try:
         return cls(**_floats_read(cls, data))
     except (ConfigError, TypeError) as err:
@@ -102,19 +131,19 @@ class PolicyConfig:
         from .planners import POLICIES
 
         if self.policy not in POLICIES:
-            raise ConfigError(f"policy: unknown policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
+            raise ConfigError(f"policy: unknown policy {shown(self.policy)}; choose one of {', '.join(POLICIES)}")
         if self.comm not in COMMS:
-            raise ConfigError(f"comm: must be one of {', '.join(COMMS)}, got {self.comm!r}")
+            raise ConfigError(f"comm: must be one of {', '.join(COMMS)}, got {shown(self.comm)}")
         for key, (lo, hi) in INT_RANGES.items():
             v = getattr(self, key)
             if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
                 raise ConfigError(f"{key}: expected a {'non-negative' if lo == 0 else 'positive'} integer "
-                                  f"(at most {hi}), got {v!r}")
+                                  f"(at most {hi}), got {shown(v)}")
         from .planners.lp import PLACEMENTS
 
         if self.placement not in PLACEMENTS:
             raise ConfigError(f"placement: must be one of {', '.join(PLACEMENTS)} (the placement lp schedules on), "
-                              f"got {self.placement!r}")
+                              f"got {shown(self.placement)}")
         if self.slots == 0 and (self.policy in ("eplb", "ultraep")
                                 or (self.policy == "lp" and self.placement != "fsep")):
             raise ConfigError(f"slots: {self.policy} balances through redundant replica slots and needs slots >= 1 "
@@ -123,20 +152,22 @@ class PolicyConfig:
 
         if not valid_tolerance(self.tolerance):
             raise ConfigError(f"tolerance: expected a number in [0, 1] (max/mean tokens per rank - 1 that owner-layout "
-                              f"policies leave as is), got {self.tolerance!r}")
+                              f"policies leave as is), got {shown(self.tolerance)}")
         if not valid_tolerance(self.rails_tolerance):
             raise ConfigError(f"rails_tolerance: expected a number in [0, 1] (busiest rail over the even spread - 1 "
-                              f"that comm rails sends direct instead of spraying), got {self.rails_tolerance!r}")
+                              f"that comm rails sends direct instead of spraying), got {shown(self.rails_tolerance)}")
         for key in ("check_plan", "dedup"):
             if not isinstance(getattr(self, key), bool):
-                raise ConfigError(f"{key}: expected true or false, got {getattr(self, key)!r}")
+                raise ConfigError(f"{key}: expected true or false, got {shown(getattr(self, key))}")
 
     @classmethod
     def from_dict(cls, data: dict, where: str = "<dict>") -> "PolicyConfig":
         return from_mapping(cls, data, where)
 
     @classmethod
-    def from_yaml(cls, path) -> "PolicyConfig":
+    def from_yaml(cls, path, build=from_mapping) -> "PolicyConfig":
+        """The policy of a YAML file; `build(cls, data, where)` makes it from the file's mapping (the
+        config package passes its own, whose messages `config validate` shares)."""
         from .yamlfile import read_mapping
 
         data = read_mapping(path, ConfigError, "policy config", "a policy config needs at least 'policy: NAME'")
@@ -145,7 +176,7 @@ class PolicyConfig:
         if kind:  # one line instead of every key it does not know
             raise ConfigError(f"{Path(path)}: this is a {kind} config; a policy config is needed here (a run "
                               f"config's balancer: section is one; e.g. configs/policies/default.yaml)")
-        return cls.from_dict(data, str(Path(path)))
+        return build(cls, data, str(Path(path)))
 
     @property
     def sharded(self) -> bool:
@@ -166,17 +197,21 @@ class PolicyConfig:
                              interval=self.interval, placement=self.placement, tolerance=float(self.tolerance))
 
 
-def as_policy(cfg) -> PolicyConfig:
-    """A PolicyConfig from a PolicyConfig, a dict of its keys, a YAML path or a preset name."""
+def as_policy(cfg, build=from_mapping) -> PolicyConfig:
+    """A PolicyConfig from a PolicyConfig, a dict of its keys, a YAML path or a preset name (`build`:
+    see PolicyConfig.from_yaml)."""
     if isinstance(cfg, PolicyConfig):
         return cfg
     if isinstance(cfg, dict):
-        return PolicyConfig.from_dict(cfg)
+        return build(PolicyConfig, cfg, "<dict>")
     if isinstance(cfg, (str, Path)):
+        if not str(cfg).strip():  # Path("") is ".", the working directory
+            raise ConfigError(f"an empty policy; presets: {', '.join(presets.names(presets.POLICY_DIR))} "
+                              "(or give a path to a YAML file)")
         preset = presets.find(presets.POLICY_DIR, str(cfg)) if not Path(cfg).suffix else None
         if preset is None and not Path(cfg).suffix and not Path(cfg).exists():
-            raise ConfigError(f"unknown policy preset {str(cfg)!r}; presets: "
+            raise ConfigError(f"unknown policy preset {shown(str(cfg))}; presets: "
                               f"{', '.join(presets.names(presets.POLICY_DIR))} (or give a path to a YAML file)")
-        return PolicyConfig.from_yaml(preset if preset is not None and not Path(cfg).exists() else cfg)
+        return PolicyConfig.from_yaml(preset if preset is not None and not Path(cfg).exists() else cfg, build)
     raise TypeError(f"a policy is a PolicyConfig, a dict, a YAML path or a preset name "
                     f"({', '.join(presets.names(presets.POLICY_DIR))}), got {type(cfg).__name__}")

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from . import presets as _presets
+from .errors import shown
 from .policy import ConfigError, from_mapping
 from .yamlfile import read_mapping
 
@@ -55,14 +56,14 @@ class Topology:
         if not isinstance(v, bool) and isinstance(v, int) and lo <= v <= hi:
             return ""
         zero = " (0 = set by the world size)" if lo == 0 else ""
-        return f"{key}: expected an integer in [{lo}, {hi}]{zero}, got {v!r}"
+        return f"{key}: expected an integer in [{lo}, {hi}]{zero}, got {shown(v)}"
 
     def _number_error(self, key: str, positive: bool) -> str:
         v = getattr(self, key)
         number = not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v)
         if number and (v > 0 if positive else v >= 0):
             return ""
-        return f"{key}: expected a finite {'positive' if positive else 'non-negative'} number, got {v!r}"
+        return f"{key}: expected a finite {'positive' if positive else 'non-negative'} number, got {shown(v)}"
 
     # -- shape -----------------------------------------------------------------------------------
     @property
@@ -125,5 +126,10 @@ def load_topology(name_or_path) -> Topology:
             raise ConfigError(f"unknown topology {name_or_path!r}; presets: {', '.join(presets())} "
                               f"(or give a path to a YAML file)")
     data = read_mapping(p, ConfigError, "topology", "a topology needs at least gpus_per_node and rails_per_node")
+    kind = "run" if set(data) & {"model", "parallelism", "training"} else \
+        "policy" if "policy" in data and "gpus_per_node" not in data else None
+    if kind:  # one line instead of every key it does not know
+        raise ConfigError(f"{p}: this is a {kind} config; a topology is needed here (a run config's topology: "
+                          f"section is one; e.g. configs/topology/dgx-h100.yaml, or a preset name)")
     data.setdefault("name", p.stem)
     return Topology.from_dict(data, str(p))

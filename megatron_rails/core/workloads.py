@@ -29,7 +29,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import InputError, check_file
+from .errors import InputError, check_file, cut, shown
+from .outfile import open_for_writing, write_text
 from .plan import PlanError, check_counts
 
 SKEW_FORMS = "uniform | zipf:S | drift:S[:P] | bursty:S[:F[:R]] | one | file:PATH"
@@ -83,10 +84,10 @@ def parse_skew(text: str) -> Skew:
     file:PATH        replay a counts file (see load_counts and counts).
     """
     if not isinstance(text, str):
-        raise WorkloadError(f"skew must be a string, got {text!r}; accepted forms: {SKEW_FORMS}")
+        raise WorkloadError(f"skew must be a string, got {shown(text)}; accepted forms: {SKEW_FORMS}")
 
     def bad(why: str) -> WorkloadError:
-        return WorkloadError(f"bad skew {text!r}: {why}; accepted forms: {SKEW_FORMS}")
+        return WorkloadError(f"bad skew {shown(text)}: {why}; accepted forms: {SKEW_FORMS}")
 
     def num(x: str, name: str, lo: float, hi: float, lo_open: bool = True) -> float:
         try:
@@ -362,9 +363,15 @@ def _validate(arr, where: str) -> np.ndarray:
             raise WorkloadError(f"{where}: counts{list(at)} = {a[at].item()!r} is not an integer")
     elif a.dtype.kind not in "iu":
         raise WorkloadError(f"{where}: counts must hold integers, got dtype {a.dtype}")
-    if a.dtype.kind in "fu" and a.max() > np.iinfo(np.int64).max:
+    # compared as Python numbers: numpy would cast int64's bound to the array's dtype (float16: inf,
+    # with an overflow warning)
+    if (a.dtype.kind == "u" and int(a.max()) > np.iinfo(np.int64).max) or \
+            (a.dtype.kind == "f" and float(a.max()) >= 2.0**63):
         raise WorkloadError(f"{where}: counts exceed int64")
     out = a.astype(np.int64)
+    if out.min() < 0:  # named as the file holds it (counts[...]), not as a planner's argument (counts_DE)
+        at = tuple(int(i) for i in np.argwhere(out < 0)[0])
+        raise WorkloadError(f"{where}: {_at(at[:-2])}counts[{at[-2]}, {at[-1]}] = {out[at]} is negative")
     for at in np.ndindex(*out.shape[:-2]):
         try:
             check_counts(out[at])
@@ -404,51 +411,131 @@ def has_magic(p: Path, magic: bytes) -> bool:
         return f.read(len(magic)) == magic
 
 
-def _suffix(p: Path) -> str:
-    if p.suffix.lower() not in (".npy", ".json"):
-        raise WorkloadError(f"{p}: unsupported extension {p.suffix!r}; use .npy or .json")
+COUNTS_FILES = ".npy or .json counts, or a `megatron-rails trace` .npz"  # what load_counts reads, for help texts
+
+
+def _suffix(p: Path, readable: tuple[str, ...] = (".npy", ".json")) -> str:
+    if p.suffix.lower() not in readable:
+        raise WorkloadError(f"{p}: unsupported extension {p.suffix!r}; use {', '.join(readable[:-1])} or "
+                            f"{readable[-1]}")
     return p.suffix.lower()
 
 
-def load_counts(path: str | os.PathLike) -> np.ndarray:
-    """int64 counts [D, E], [I, D, E] or [I, Y, D, E] from a .npy or .json file.
+def _check_npy_size(p: Path) -> None:
+    """WorkloadError unless the file holds the bytes its .npy header promises: a corrupt header
+    (shape (10^8, 10^5)) would otherwise make numpy allocate terabytes before it finds the file short."""
+    fmt = np.lib.format
+    with open(p, "rb") as f:
+        try:
+            read = {(1, 0): fmt.read_array_header_1_0, (2, 0): fmt.read_array_header_2_0}.get(fmt.read_magic(f))
+            if read is None:  # a newer header version: numpy's own checks stand
+                return
+            shape, _, dtype = read(f)
+        except (ValueError, OSError, EOFError) as err:
+            raise WorkloadError(f"{p}: not a readable .npy array (its header: {err})") from None
+        need = math.prod(shape) * dtype.itemsize
+        have = os.fstat(f.fileno()).st_size - f.tell()
+    if need > have:
+        raise WorkloadError(f"{p}: its header promises shape {shape} ({need} bytes) but the file holds {have}: "
+                            "cut off or corrupt")
 
-    JSON holds nested lists or an object {"counts": [...]}. Integral floats are accepted; negative,
-    fractional, non-numeric or ragged data raise WorkloadError naming the file, a missing file
-    FileNotFoundError.
+
+def _load_npy(p: Path):
+    if not has_magic(p, NPY_MAGIC):  # else numpy takes it for a pickle and suggests loading it unsafely
+        raise WorkloadError(f"{p}: not a .npy file (no NumPy header); save counts with numpy.save or as .json")
+    _check_npy_size(p)
+    try:
+        return np.load(p, allow_pickle=False)
+    except (ValueError, OSError, EOFError) as err:  # EOFError: an empty or cut-off file
+        why = "it holds Python objects, not numbers" if "pickle" in str(err) else str(err)
+        raise WorkloadError(f"{p}: not a readable .npy array ({why})") from None
+
+
+def _unique_keys(pairs: list) -> dict:
+    """json object_pairs_hook: an object with a key given twice is an error (json keeps the last one
+    silently, as PyYAML would; the YAML loader refuses them too)."""
+    seen = set()
+    for k, _ in pairs:
+        if k in seen:
+            raise WorkloadError(f"key {shown(k)} given twice in one object; give each key once")
+        seen.add(k)
+    return dict(pairs)
+
+
+def _load_json(p: Path):
+    try:
+        data = json.loads(p.read_text(), object_pairs_hook=_unique_keys)
+    except WorkloadError as err:  # a key given twice
+        raise WorkloadError(f"{p}: {err}") from None
+    except (ValueError, UnicodeDecodeError) as err:
+        raise WorkloadError(f"{p}: invalid JSON ({err})") from None
+    except RecursionError:
+        raise WorkloadError(f"{p}: nested too deeply to be counts (at most [steps, layers, ranks, experts])") from None
+    if isinstance(data, dict) and "counts" not in data:
+        raise WorkloadError(f"{p}: JSON object has no 'counts' key (keys: {shown(sorted(data))})")
+    data = data["counts"] if isinstance(data, dict) else data
+    if not isinstance(data, list):
+        raise WorkloadError(f"{p}: expected a JSON list of lists or {{\"counts\": [...]}}")
+    try:
+        data = np.array(data)
+    except OverflowError:  # integers beyond int64 (numpy refuses them in an int array)
+        raise WorkloadError(f"{p}: counts exceed int64") from None
+    except ValueError:  # ragged
+        data = None
+    if data is not None and data.dtype == object and all(type(v) is int for v in data.ravel()):
+        raise WorkloadError(f"{p}: counts exceed int64")  # numpy keeps such integers as Python objects
+    if data is None or data.dtype in (bool, object):
+        raise WorkloadError(f"{p}: counts must be a rectangular array of integers")
+    return data
+
+
+def load_trace_npz(path) -> tuple[np.ndarray, dict]:
+    """(int64 counts [I, Y, D, E], metadata dict) of a `megatron-rails trace` .npz; WorkloadError naming
+    the file for anything else (FileNotFoundError where there is none)."""
+    import zipfile
+
+    p = Path(path)
+    check_file(p, "trace", WorkloadError, FileNotFoundError(f"trace file {str(p)!r} does not exist"))
+    if not has_magic(p, NPZ_MAGIC):  # else numpy takes it for a pickle and suggests loading it unsafely
+        raise WorkloadError(f"{p}: not a .npz archive; record one with `megatron-rails trace`")
+    try:
+        with np.load(p, allow_pickle=False) as z:
+            if "counts" not in z.files:
+                raise WorkloadError(f"{p}: no 'counts' array in the .npz (arrays: {cut(', '.join(z.files))})")
+            c = z["counts"]
+            meta = json.loads(str(z["meta"])) if "meta" in z.files else {}
+    except WorkloadError:
+        raise
+    except MemoryError:  # a member whose header claims more than the machine has
+        raise WorkloadError(f"{p}: not a readable trace .npz (its counts claim more memory than there is: "
+                            "cut off or corrupt)") from None
+    except (ValueError, OSError, EOFError, zipfile.BadZipFile) as err:  # EOFError: empty; BadZipFile: cut off
+        why = " ".join(str(err).split())[:120] or type(err).__name__
+        raise WorkloadError(f"{p}: not a readable trace .npz ({why})") from None
+    if c.ndim != 4 or c.dtype.kind not in "iu" or 0 in c.shape or c.min() < 0:
+        raise WorkloadError(f"{p}: counts must be non-negative integers [steps, layers, ranks, experts], "
+                            f"got shape {c.shape} dtype {c.dtype}")
+    if not isinstance(meta, dict):
+        meta = {}
+    return _validate(c, str(p)), meta  # the same checks as a counts file (totals within int64)
+
+
+def load_counts(path: str | os.PathLike) -> np.ndarray:
+    """int64 counts [D, E], [I, D, E] or [I, Y, D, E] from a .npy or .json file, or the counts of a
+    `megatron-rails trace` .npz ([I, Y, D, E]).
+
+    JSON holds nested lists or an object {"counts": [...]} (each key once). Integral floats are
+    accepted; negative, fractional, non-numeric or ragged data raise WorkloadError naming the file, a
+    missing file FileNotFoundError.
     """
     p = Path(path)
+    if not str(path).strip():  # Path("") is ".", the working directory
+        raise WorkloadError(f"an empty path; give a counts file ({COUNTS_FILES})")
     check_file(p, "counts", WorkloadError, FileNotFoundError(f"counts file {str(p)!r} does not exist"))
-    if _suffix(p) == ".npy":
-        if not has_magic(p, NPY_MAGIC):  # else numpy takes it for a pickle and suggests loading it unsafely
-            raise WorkloadError(f"{p}: not a .npy file (no NumPy header); save counts with numpy.save or as .json")
-        try:
-            data = np.load(p, allow_pickle=False)
-        except (ValueError, OSError, EOFError) as err:  # EOFError: an empty or cut-off file
-            why = "it holds Python objects, not numbers" if "pickle" in str(err) else str(err)
-            raise WorkloadError(f"{p}: not a readable .npy array ({why})") from None
-    else:
-        try:
-            data = json.loads(p.read_text())
-        except (ValueError, UnicodeDecodeError) as err:
-            raise WorkloadError(f"{p}: invalid JSON ({err})") from None
-        except RecursionError:
-            raise WorkloadError(f"{p}: nested too deeply to be counts (at most [steps, layers, ranks, experts])") from None
-        if isinstance(data, dict) and "counts" not in data:
-            raise WorkloadError(f"{p}: JSON object has no 'counts' key (keys: {sorted(data)})")
-        data = data["counts"] if isinstance(data, dict) else data
-        if not isinstance(data, list):
-            raise WorkloadError(f"{p}: expected a JSON list of lists or {{\"counts\": [...]}}")
-        try:
-            data = np.array(data)
-        except OverflowError:  # integers beyond int64 (numpy refuses them in an int array)
-            raise WorkloadError(f"{p}: counts exceed int64") from None
-        except ValueError:  # ragged
-            data = None
-        if data is not None and data.dtype == object and all(type(v) is int for v in data.ravel()):
-            raise WorkloadError(f"{p}: counts exceed int64")  # numpy keeps such integers as Python objects
-        if data is None or data.dtype in (bool, object):
-            raise WorkloadError(f"{p}: counts must be a rectangular array of integers")
+    suffix = _suffix(p, (".npy", ".json", ".npz"))
+    if suffix == ".npz":
+        return load_trace_npz(p)[0]
+    data = _load_npy(p) if suffix == ".npy" else _load_json(p)
     return _validate(data, str(p))
 
 
@@ -458,10 +545,10 @@ def save_counts(path: str | os.PathLike, counts_arr) -> Path:
     suffix = _suffix(p)
     arr = _validate(counts_arr, f"save_counts({str(p)!r})")
     if suffix == ".npy":
-        with open(p, "wb") as f:  # np.save(str) would append .npy to other names
+        with open_for_writing(p, "wb") as f:  # np.save(str) would append .npy to other names
             np.save(f, arr, allow_pickle=False)
     else:
-        p.write_text(json.dumps({"counts": arr.tolist()}))
+        write_text(p, json.dumps({"counts": arr.tolist()}))
     return p
 
 

@@ -1,7 +1,9 @@
 """Reading a YAML config file (run, policy or topology) so that whatever the file holds, the caller
 gets its data or one `error(message)` naming the file: not a file, not UTF-8 text, not YAML, nested
 too deeply, a key given twice in one mapping (PyYAML keeps the last silently: `policy: fsep` then
-`policy: eplb` would run eplb), empty, or not a mapping at the top level."""
+`policy: eplb` would run eplb), a key that is not a string (`1: 2`, `true: x`: no config has such a
+name, and the code that reports unknown keys expects names), aliases expanding to more values than
+any config holds (a "billion laughs" file), empty, or not a mapping at the top level."""
 from __future__ import annotations
 
 import functools
@@ -11,6 +13,17 @@ from typing import Callable
 from .errors import check_file
 
 MAX_BYTES = 1 << 20  # configs are a few KB; beyond, a wrong file (a checkpoint, a log)
+# values (scalars, lists, mappings) a document may hold with its aliases expanded: a run config
+# holds a few hundred; PyYAML shares an alias's value, but whatever walks or prints it does not
+MAX_VALUES = 10_000
+STR, MERGE = "tag:yaml.org,2002:str", "tag:yaml.org,2002:merge"
+# what a key of each YAML type is, in words (for "key 1 (an integer) is not a name")
+KEY_KINDS = {"int": "an integer", "float": "a number", "bool": "a boolean", "null": "YAML's null",
+             "timestamp": "a date", "seq": "a list", "map": "a mapping", "binary": "binary data"}
+
+
+class YamlShapeError(ValueError):
+    """YAML that parses but cannot be a config's data; the message names the key path, not the file."""
 
 
 @functools.cache
@@ -24,7 +37,7 @@ def _loader():
         def construct_mapping(self, node, deep=False):
             seen = {}
             for key_node, _ in node.value:
-                if key_node.tag == "tag:yaml.org,2002:merge":
+                if key_node.tag == MERGE:
                     continue
                 key = self.construct_object(key_node, deep=deep)
                 try:
@@ -38,6 +51,72 @@ def _loader():
             return super().construct_mapping(node, deep=deep)
 
     return UniqueKeyLoader
+
+
+def _where(path: list) -> str:
+    """'balancer.slots: ', 'layers[2]: ' or '' (the top level), to prefix a message."""
+    text = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in path).lstrip(".")
+    return f"{text}: " if text else ""
+
+
+def _key_problem(key, path: list) -> str:
+    """'' for a string key (or a merge); else why this key cannot be a config key, where it is."""
+    if key.tag in (STR, MERGE):
+        return ""
+    kind = KEY_KINDS.get(key.tag.rsplit(":", 1)[-1], key.tag)
+    text = key.value if isinstance(key.value, str) else ("[...]" if kind == "a list" else "{...}")
+    text = text if len(text) <= 40 else text[:37] + "..."
+    return (f"{_where(path)}{f'key {text}' if text else 'an empty key'} ({kind}, line {key.start_mark.line + 1}) "
+            "is not a name; keys are strings")
+
+
+def check_nodes(root) -> None:
+    """YamlShapeError for a mapping key that is not a string (at any depth) or aliases expanding past
+    MAX_VALUES values or into themselves. Walks the composed node graph, where an alias is the node it
+    names: each node is visited once and its expanded size remembered, so a bomb costs its own size."""
+    import yaml
+
+    sizes: dict[int, int] = {}
+    open_: set[int] = set()
+
+    def size(node, path: list) -> int:
+        if id(node) in sizes:
+            return sizes[id(node)]
+        if id(node) in open_:
+            raise YamlShapeError(f"{_where(path)}an alias (*name) inside the value it names; a config holds no "
+                                 "self-referencing values")
+        open_.add(id(node))
+        n = 1
+        if isinstance(node, yaml.MappingNode):
+            for key, value in node.value:
+                problem = _key_problem(key, path)
+                if problem:
+                    raise YamlShapeError(problem)
+                n += 1 + size(value, path + ([key.value] if key.tag == STR else []))
+        elif isinstance(node, yaml.SequenceNode):
+            n += sum(size(item, path + [i]) for i, item in enumerate(node.value))
+        open_.discard(id(node))
+        sizes[id(node)] = n
+        if n > MAX_VALUES:
+            raise YamlShapeError(f"{_where(path)}aliases (*name) expand to more than {MAX_VALUES} values; no config "
+                                 "holds that many: write the values out")
+        return n
+
+    size(root, [])
+
+
+def parse(text: str):
+    """The data of one YAML document `text`, after check_nodes; yaml.YAMLError for text that is not
+    YAML, YamlShapeError for YAML no config holds, RecursionError for nesting without end."""
+    loader = _loader()(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        check_nodes(node)
+        return loader.construct_document(node)
+    finally:
+        loader.dispose()
 
 
 def read_mapping(path, error: Callable[[str], Exception], kind: str, empty_hint: str) -> dict:
@@ -58,7 +137,7 @@ def read_mapping(path, error: Callable[[str], Exception], kind: str, empty_hint:
     except UnicodeDecodeError as err:
         raise error(f"{p}: not UTF-8 text (byte {err.start}); expected a YAML file") from None
     try:
-        data = yaml.load(text, Loader=_loader())  # noqa: S506 (a SafeLoader subclass)
+        data = parse(text)
     except yaml.MarkedYAMLError as err:  # where, in the file's own lines (the text has no file name)
         mark = err.problem_mark or err.context_mark
         where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
@@ -66,6 +145,8 @@ def read_mapping(path, error: Callable[[str], Exception], kind: str, empty_hint:
         raise error(f"{p}: not valid YAML: {what}{where}") from None
     except yaml.YAMLError as err:
         raise error(f"{p}: not valid YAML: {' '.join(str(err).split())}") from None
+    except YamlShapeError as err:
+        raise error(f"{p}: {err}") from None
     except RecursionError:
         raise error(f"{p}: nested too deeply to be a config") from None
     if data is None:  # an empty file is a mistake, not "all defaults": the same error everywhere

@@ -15,6 +15,7 @@ import tempfile
 import numpy as np
 
 from ..core.errors import ChildFailed
+from ..core.outfile import save_figure
 from ..core.presets import POLICY_DIR
 
 DEFAULT_CONFIG = POLICY_DIR / "default.yaml"  # the shipped preset (package data)
@@ -100,7 +101,7 @@ def plot(bal: dict, png: str) -> None:
                  fontsize=9)
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
-    fig.savefig(png, dpi=110)
+    save_figure(fig, png, dpi=110)
     plt.close(fig)
 
 
@@ -162,12 +163,11 @@ def run_demo(config: str | None = None, steps: int = 20, ranks: int | None = Non
                    pin, shape)
     bal["policy"] = pcfg.policy
     summary = summarize(base, bal)
-    summary.update(comm=pcfg.comm, ranks_per_node=G, microbatches=microbatches, pinned=pin)
+    summary.update(comm=pcfg.comm, ranks_per_node=G, microbatches=microbatches, pinned=pin, plot=png)
+    if json_out:  # the results first: a figure that fails loses none of them
+        print(json.dumps(summary), flush=True)
+    else:
+        print_report(summary, pcfg.policy, pcfg.comm, ranks, G, steps, microbatches, pin)
     plot(bal, png)
-    summary["plot"] = png
     print(f"wrote {png}", file=sys.stderr)
-    if json_out:
-        print(json.dumps(summary))
-        return 0
-    print_report(summary, pcfg.policy, pcfg.comm, ranks, G, steps, microbatches, pin)
     return 0

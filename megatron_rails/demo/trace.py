@@ -22,13 +22,11 @@ from __future__ import annotations
 import json
 import os
 import sys
-import zipfile
 from pathlib import Path
 
 import numpy as np
 
-from ..core.errors import ChildFailed, InputError, check_file
-from ..core.workloads import NPZ_MAGIC, has_magic
+from ..core.errors import ChildFailed, InputError
 
 FORMAT, VERSION = "megatron-rails-trace", 1
 
@@ -120,40 +118,24 @@ def save_trace(path, counts_IYDE, meta: dict | None = None) -> Path:
     meta = {"format": FORMAT, "version": VERSION, "steps": I, "layers": Y, "ranks": D, "experts": E} | dict(meta or {})
     if meta.get("topk"):
         meta.setdefault("tokens_per_rank", int(row.max()) // int(meta["topk"]))
-    with open(p, "wb") as f:  # np.savez(str) would append .npz to other names
+    from ..core.outfile import open_for_writing
+
+    with open_for_writing(p, "wb") as f:  # np.savez(str) would append .npz to other names
         np.savez(f, counts=c, meta=np.array(json.dumps(meta)))
     return p
 
 
 def load_trace(path) -> tuple[np.ndarray, dict]:
     """(int64 counts [I, Y, D, E], metadata dict) from .npz, or .npy/.json counts (2-D, 3-D or 4-D)."""
+    from ..core.workloads import load_counts, load_trace_npz
+
     p = Path(path)
-    if p.suffix.lower() != ".npz":  # load_counts says what is wrong with the file, as a counts file
-        from ..core.workloads import load_counts
-
-        c = load_counts(p)
-        while c.ndim < 4:  # [D, E] -> one step; [I, D, E] -> every layer alike (as workloads replays it)
-            c = c[None] if c.ndim == 2 else c[:, None]
-        return c, {"source": str(p)}
-    check_file(p, "trace", TraceError, FileNotFoundError(f"trace file {str(p)!r} does not exist"))
-    if not has_magic(p, NPZ_MAGIC):  # else numpy takes it for a pickle and suggests loading it unsafely
-        raise TraceError(f"{p}: not a .npz archive; record one with `megatron-rails trace`")
-    try:
-        with np.load(p, allow_pickle=False) as z:
-            if "counts" not in z.files:
-                raise TraceError(f"{p}: no 'counts' array in the .npz (arrays: {', '.join(z.files)})")
-            c = z["counts"]
-            meta = json.loads(str(z["meta"])) if "meta" in z.files else {}
-    except (ValueError, OSError, EOFError, zipfile.BadZipFile) as err:  # EOFError: empty; BadZipFile: cut off
-        if isinstance(err, TraceError):
-            raise
-        raise TraceError(f"{p}: not a readable trace .npz ({err or type(err).__name__})") from None
-    if c.ndim != 4 or c.dtype.kind not in "iu" or 0 in c.shape or c.min() < 0:
-        raise TraceError(f"{p}: counts must be non-negative integers [steps, layers, ranks, experts], "
-                         f"got shape {c.shape} dtype {c.dtype}")
-    from ..core.workloads import validate_counts
-
-    return validate_counts(c, str(p)), meta  # the same checks as a counts file (totals within int64)
+    if p.suffix.lower() == ".npz":
+        return load_trace_npz(p)
+    c = load_counts(p)  # it says what is wrong with the file, as a counts file
+    while c.ndim < 4:  # [D, E] -> one step; [I, D, E] -> every layer alike (as workloads replays it)
+        c = c[None] if c.ndim == 2 else c[:, None]
+    return c, {"source": str(p)}
 
 
 # -- recording the CPU demo -----------------------------------------------------------------------------------

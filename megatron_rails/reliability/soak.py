@@ -202,8 +202,9 @@ def run_soak(planner_calls: int, steps: int, world: int, out: str | None, json_o
     fails = sum(len(v["failures"]) for v in res.values() if isinstance(v, dict))
     res["ok"] = fails == 0
     if out:
-        with open(out, "w") as f:
-            json.dump(res, f, indent=1)
+        from ..core.outfile import write_text
+
+        write_text(out, json.dumps(res, indent=1))
     if json_out:
         print(json.dumps(res))
     else:

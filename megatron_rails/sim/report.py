@@ -1,6 +1,7 @@
 """Reports of `simulate run`: a table on the terminal, JSON, and a PNG of stacked bars."""
 from __future__ import annotations
 
+from ..core.outfile import save_figure
 from .run import COMPONENTS
 
 LABELS = {"dense_ms": "dense", "expert_compute_ms": "experts", "token_a2a_ms": "token a2a",
@@ -149,6 +150,6 @@ def plot(result: dict, png: str) -> list[str]:
     legend = ax.legend(handles=parts + (comm_keys if len(comms) > 1 else []) + handles, fontsize=7.5,
                        loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
     fig.tight_layout()
-    fig.savefig(png, dpi=120, bbox_inches="tight")  # the legend outside the axes is kept whole
+    save_figure(fig, png, dpi=120, bbox_inches="tight")  # the legend outside the axes is kept whole
     plt.close(fig)
     return [t.get_text() for t in legend.get_texts()]

@@ -117,7 +117,9 @@ def check_names(policies, comms) -> tuple[list[str], list[str]]:
     return list(dict.fromkeys(pols)), list(dict.fromkeys(cms))
 
 
-def planners_for(setup: Setup, policies):
+def planners_for(setup: Setup, policies, slots_flag: bool = False):
+    """A planner per policy for the setup's EP group; SimError for a policy its slots cannot serve,
+    blaming --slots where it set them (slots_flag), else the config's balancer."""
     import dataclasses
 
     from ..core.planners import PlannerError, make_planner
@@ -127,10 +129,13 @@ def planners_for(setup: Setup, policies):
     for pol in policies:
         try:
             pc = dataclasses.replace(setup.policy, policy=pol)
-        except ConfigError as err:  # the config's slots do not suit this policy
+        except ConfigError as err:  # the slots do not suit this policy
+            why = str(err).partition(": ")[2].split(" (")[0]
+            if slots_flag:
+                raise SimError(f"--slots {setup.policy.slots}: policy {pol} cannot run with it ({why}): give "
+                               f"--slots 1 or more, or leave {pol} out of --policies") from None
             raise SimError(f"policy {pol} cannot run with the config's {setup.policy.slots} redundant slot(s) "
-                           f"({str(err).partition(': ')[2].split(' (')[0]}): give --slots, or leave {pol} out "
-                           f"of --policies") from None
+                           f"({why}): give --slots, or leave {pol} out of --policies") from None
         try:
             out[pol] = make_planner(pol, pc.planner_config(setup.ep, setup.experts))
         except PlannerError as err:

@@ -165,6 +165,9 @@ def family(text: str, num_ranks: int, *, hidden: int | None = None, experts: int
         shape = dict(DEEPSEEK if kind == "deepseek" else MIXTRAL)
     shape.update({k: int(v) for k, v in (("experts", experts), ("topk", topk), ("hidden", hidden)) if v is not None})
     canon = {"uniform": "uniform", "zipf": sk, "plan": f"plan:{pol}:{sk}"}.get(kind, f"{kind}:{pol}")
+    if shape["topk"] > shape["experts"]:  # every family, uniform too (its rows are T*topk/D each)
+        raise TrafficError(f"traffic {text!r}: topk={shape['topk']} exceeds num_experts={shape['experts']}: a token "
+                           "picks topk distinct experts")
     return Family(kind, canon, sk, pol, shape["experts"], shape["topk"], shape["hidden"])
 
 

@@ -1,0 +1,53 @@
+"""core/outfile.py: a result file appears whole or not at all; a failed write names the file."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from megatron_rails.core.outfile import WriteError, is_stdout, open_for_writing, replacing, write_text, writes_in_place
+
+
+def test_a_failed_write_keeps_the_old_file(tmp_path):
+    f = tmp_path / "r.json"
+    f.write_text("good")
+    with pytest.raises(RuntimeError):
+        with open_for_writing(f) as out:
+            out.write("half of the new")
+            raise RuntimeError("the writer failed")
+    assert f.read_text() == "good" and os.listdir(tmp_path) == ["r.json"]  # no temporary file left
+
+
+def test_a_finished_write_replaces_the_file_keeping_its_mode_and_links(tmp_path):
+    f = tmp_path / "r.json"
+    f.write_text("old")
+    os.chmod(f, 0o640)
+    link = tmp_path / "link.json"
+    link.symlink_to(f)
+    write_text(link, "new")
+    assert f.read_text() == "new" and link.is_symlink() and (f.stat().st_mode & 0o777) == 0o640
+    with replacing(tmp_path / "fig.svg") as tmp:
+        assert tmp.endswith(".svg") and os.path.dirname(tmp) == str(tmp_path)  # writers read the suffix
+        open(tmp, "w").write("<svg/>")
+    assert (tmp_path / "fig.svg").read_text() == "<svg/>"
+    assert sorted(os.listdir(tmp_path)) == ["fig.svg", "link.json", "r.json"]
+
+
+def test_a_device_is_written_directly_and_its_error_names_it(tmp_path):
+    assert writes_in_place("/dev/stdout") and writes_in_place("/dev/null") and not writes_in_place(tmp_path / "x")
+    with pytest.raises(WriteError) as err:
+        write_text("/dev/full", "x" * 100_000)
+    assert err.value.filename == "/dev/full" and err.value.strerror == "No space left on device"
+    write_text("/dev/null", "gone")
+
+
+def test_is_stdout(tmp_path):
+    import subprocess
+    import sys
+
+    code = ("from megatron_rails.core.outfile import is_stdout; import sys; "
+            "print(is_stdout('/dev/stdout'), is_stdout(sys.argv[1]), file=sys.stderr)")
+    p = subprocess.run([sys.executable, "-c", code, str(tmp_path / "other")], capture_output=True, text=True,
+                       timeout=60)
+    assert p.stderr.split() == ["True", "False"], p.stderr
+    assert not is_stdout(tmp_path / "missing")
