@@ -96,6 +96,12 @@ def _worker(rank, world, policies, routings, seed, comm="direct", topk=2, dedup=
             assert np.all(after[one] < before[one]), (policy, before[one], after[one])
         if policy == "none":
             np.testing.assert_allclose(after, before)
+        elif topk < E or policy == "fsep":  # at top-k = E the counts are even: an owner layout stays as is
+            # the skewed routings made the policy place replicas (summed over ranks): the parity
+            # above compared slot computation, not only the stock layout
+            used = torch.tensor([float(sum(m["replicas_used"] for m in metrics))])
+            torch.distributed.all_reduce(used)
+            assert used.item() > 0, f"policy {policy}, top-{topk}: no replica used in {routings} routings"
         sprayed = [m["rails_sprayed"] for m in metrics]
         sprays[policy] = sum(sprayed)
         if comm == "rails" and require_spray:  # the parity above covered the sprayed three-phase exchange

@@ -76,6 +76,13 @@ def _worker(rank, world, routings, variants=VARIANTS, rails_overrides=None):
                 for n in w1:
                     torch.testing.assert_close(w2[n], w1[n], rtol=1e-5, atol=1e-5,
                                                msg=lambda m: f"{where}: grad of {n}\n{m}")
+            # the parity covered replicas (summed over ranks): every policy but none places some under
+            # the skewed routing; at top-k = E the counts are even and an owner layout stays as is
+            used = torch.tensor([float(sum(r["replicas_used"] for r in rails.token_dispatcher.metrics))])
+            torch.distributed.all_reduce(used)
+            even = rails.config.moe_router_topk == rails.config.num_moe_experts
+            if policy != "none" and (policy == "fsep" or not even):
+                assert used.item() > 0, f"{name}, policy {policy}: no replica used in {routings} routings"
 
 
 def test_parity_across_moe_settings():

@@ -38,6 +38,7 @@ def _worker(rank, world, policy, overlap_grad_reduce, dopt, root):
                                     lr=lc.LR, optimizer=kind, bucket_size=1000 if overlap_grad_reduce else None,
                                     **(lc.ADAM if kind == "adam" else {}))
                     for p, m in models.items()}
+            initial = {n: p.detach().clone() for n, p in models["stock"].layer.named_parameters()}
             for step in range(len(lc.MICRO)):
                 mbs = lc._microbatches(rank, step, u, H)
                 want = train_step(*runs["stock"], mbs, loss_fn)
@@ -45,6 +46,9 @@ def _worker(rank, world, policy, overlap_grad_reduce, dopt, root):
                 torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=1e-5,
                                            msg=lambda m: f"{where} step {step}: losses\n{m}")
                 ref = full_params(runs["stock"][0])
+                if step == 0:  # equal parameters show something only where training moved them
+                    still = [n for n, v in initial.items() if torch.equal(ref[f"layer.{n}"], v)]
+                    assert not still, f"{where} step 0: stock parameters did not change: {still}"
                 state = models[policy].layer.state_dict()  # stock layout
                 for k, v in ref.items():
                     k = k[len("layer."):]
@@ -162,6 +166,8 @@ def _order_worker(rank, world):
                 for k, v in ref.items():
                     torch.testing.assert_close(state[k[len("layer."):]], v, rtol=1e-5, atol=1e-5,
                                                msg=lambda msg: f"rank {rank} step {step}: {k}\n{msg}")
+            # every expert bucket group launched once per step (else the orders compared below are empty)
+            assert all(sorted(o["launch"]) == sorted(expert_groups.values()) for o in orders), orders
             # every replica launches its expert reductions in the same order, although (the premise:
             # else this test would not test it) their gradients became ready in different orders
             peers = [None] * ps.get_expert_data_parallel_world_size()

@@ -103,6 +103,7 @@ def _train_save_load(rank, world, root, case):
                 os.makedirs(path)
             dist.barrier()
             dist_checkpointing.save(_state(ddp, opt, sharding, False), path)
+        at_save = {"stock": _params(stock), "fsep": _params(fsep)}  # the weights each checkpoint holds
         if same_tensors:  # every tensor fsep saved, model and optimizer state, is stock's
             want_saved, got_saved = ({k: v for k, v in dist_checkpointing.load_plain_tensors(
                 os.path.join(root, case, name)).items() if torch.is_tensor(v)} for name in ("stock", "fsep"))
@@ -118,12 +119,21 @@ def _train_save_load(rank, world, root, case):
         want = _params(stock)
         for by, into in pairs:
             where = f"{case}: saved by {by}, loaded into {into}, rank {rank}"
-            torch.manual_seed(100 + rank)  # other weights than the checkpoint's
             model, (ddp, opt) = trained(into)
+            # other weights than the checkpoint's: the build seeds itself (the checkpoint's initial
+            # weights), so every parameter is moved off them here
+            with torch.no_grad():
+                g = torch.Generator().manual_seed(100 + rank)
+                for p in model.parameters():
+                    if 0 not in p.stride():  # not fsep's freed stock expert copies (its experts are the shards)
+                        p.add_(0.1 * torch.randn(p.shape, generator=g).to(p.dtype))
             # trained on other data first: the load must replace weights and optimizer state alike
             # (and the distributed optimizer without Apex or Transformer Engine has no state to
             # load into before its first step)
             train_step(ddp, opt, lc._microbatches(rank, 2, u, H), loss_fn)
+            before = _params(model)
+            same = [k for k, v in at_save[by].items() if torch.equal(before[k], v)]
+            assert not same, f"{where}: equal to the checkpoint before the load: {same}"
             state = _state(ddp, opt, sharding, True)
             loaded = dist_checkpointing.load(state, os.path.join(root, case, by))
             ddp.module.load_state_dict(loaded["model"])

@@ -454,7 +454,10 @@ def _step_matches_stock(opts, stock, rails, where: str) -> None:
 
 
 def _midstep_eval_worker(rank, world):
+    import copy
+
     from megatron_rails import no_sync
+    from megatron_rails.runtime.layer import GROWN
 
     w = torch.linspace(-1, 1, T * H).view(T, 1, H)
     evals = (("inference, eval mode", torch.inference_mode, False),
@@ -463,6 +466,17 @@ def _midstep_eval_worker(rank, world):
     for policy in ("ultraep", "lp", "fsep"):
         stock, rails, u = _layers(world, policy, grow=True)
         store = rails.token_dispatcher.store
+        runtime = rails.token_dispatcher.runtime
+        seen = []  # every forward's (all ranks') counts
+
+        def plan_spy(counts_DE, *args, _plan=runtime._plan):
+            seen.append(counts_DE.copy())
+            return _plan(counts_DE, *args)
+
+        runtime._plan = plan_spy
+        # the premise, per evaluation: a training forward on its counts would grow the window (the
+        # same decision, made without side effects), or the planner would place them otherwise
+        would_grow = not_resident = 0
         opts = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in (stock, rails)]
         for step in range(2):
             for micro in range(MICRO):
@@ -490,14 +504,25 @@ def _midstep_eval_worker(rank, world):
                     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=lambda m: f"{where}, {name}: {m}")
                     assert store.window is window and window.placement.digest() == digest, \
                         f"{where}: evaluation ({name}) changed the window its gradients are owed to"
+                    fresh, _ = runtime.planner.plan(seen[-1], copy.deepcopy(runtime.state))
+                    not_resident += fresh.placement.digest() != digest
+                    would_grow += runtime._grow(runtime.plan, seen[-1], fresh)[1] == GROWN
             _step_matches_stock(opts, stock, rails, f"{policy}, after step {step}, rank {rank}")
+        # ultraep and lp: some evaluation counts would have grown the window. fsep never grows one
+        # (its sharded layout fills every slot), so for it the premise is the other half of the
+        # claim: the evaluation counts are planned on another placement, which evaluation must not
+        # put in place of the window either
+        assert would_grow > 0 or policy == "fsep", f"{policy}: no evaluation would have grown the window"
+        assert not_resident > 0, f"{policy}: every evaluation's counts fit the resident placement"
 
 
 def test_evaluation_mid_step_leaves_the_training_window_alone():
     """Evaluation forwards between a step's microbatches (inference mode with the layer in eval or
     train mode, or no_grad) compute like stock and neither grow nor replace the window the step's
-    gradients are owed to, even where a training forward would grow it. Growing it under inference
-    mode made its weights inference tensors: the next training forward raised."""
+    gradients are owed to, even where a training forward would grow it (ultraep, lp: checked to
+    happen) and where the planner would place the evaluation's counts otherwise (every policy; fsep,
+    which never grows a window, is here for that). Growing it under inference mode made its weights
+    inference tensors: the next training forward raised."""
     spawn(_midstep_eval_worker, 2)
 
 

@@ -102,13 +102,24 @@ def _return_worker(rank, world, policy):
         events.append("return")
         return _flush(window, in_graph)
 
+    slot_rows = []
+
+    def compute(w, x_n, *args, _compute=store.compute, **kwargs):
+        slot_rows.append(x_n.shape[0])
+        return _compute(w, x_n, *args, **kwargs)
+
     rails.experts.forward = experts_forward
     store.flush = flush
+    store.compute = compute
     x = (torch.randn(T, 1, H, generator=torch.Generator().manual_seed(rank)) + 0.5).requires_grad_()
     rails(x)[0].sum().backward()
     moved = rails.token_dispatcher.runtime.metrics[-1]["resident_slots"]
     slots_here = store.window.n_rows
     assert moved > 0, f"{policy}: expected moved slots"
+    # some rank computed token rows on its slots: there are slot gradients to return
+    computed = torch.tensor([float(sum(slot_rows))])
+    torch.distributed.all_reduce(computed)
+    assert computed.item() > 0, f"{policy}: no rank computed a slot's rows ({slots_here} resident slots here)"
     # a rank with no slot rows of its own must not join the return before its stock experts' backward
     # (the rank computing the slots does so after its whole expert backward)
     assert events == ["owners_backward", "return"], f"rank {rank} ({slots_here} resident slots): {events}"

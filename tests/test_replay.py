@@ -5,7 +5,8 @@
   window grows, one metric record each.
 * A forward recomputed in backward (Megatron's `tensor_parallel.checkpoint`, torch's reentrant and
   non-reentrant `torch.utils.checkpoint`) is a replay: no planner call, no state change, no record,
-  and the gradients equal the stock allgather dispatcher's without recompute.
+  and the gradients equal the stock allgather dispatcher's without recompute. Skewed counts (top-2
+  of 4, every token leaning to expert 0), so that every policy's plan uses slots (checked).
 * `replaying()` marks replays a framework runs outside a backward pass.
 """
 import numpy as np
@@ -17,16 +18,19 @@ from moe_harness import build_moe_layer, moe_config, spawn
 E, H, T = 4, 16, 8
 
 
-def _layers(world, policy):
+def _layers(world, policy, topk=E, skew=0.0):
+    """skew: added to expert 0's router row, so that tokens leaning along ones(H) prefer it."""
     import megatron_rails
 
     torch.manual_seed(7)
-    stock = build_moe_layer(moe_config(world, "allgather", experts=E, topk=E, hidden=H))
+    stock = build_moe_layer(moe_config(world, "allgather", experts=E, topk=topk, hidden=H))
     megatron_rails.install({"policy": policy, "slots": 1, "comm": "direct", "tolerance": 0.0, "window": 8})
     try:
-        rails = build_moe_layer(moe_config(world, "alltoall", experts=E, topk=E, hidden=H))
+        rails = build_moe_layer(moe_config(world, "alltoall", experts=E, topk=topk, hidden=H))
     finally:
         megatron_rails.uninstall()
+    with torch.no_grad():
+        stock.router.weight[0].add_(skew)
     rails.load_state_dict(stock.state_dict())
     return stock, rails
 
@@ -68,13 +72,16 @@ def _recompute_worker(rank, world, how, policy):
     from megatron.core import tensor_parallel
     from torch.utils.checkpoint import checkpoint
 
-    stock, rails = _layers(world, policy)
+    # top-2 of 4 with every token leaning towards expert 0 (rank 0's): skewed counts, so that the
+    # policies place replicas / slots and the recompute replays a plan that moved weights (at
+    # top-k = E the counts are even and nothing would move)
+    stock, rails = _layers(world, policy, topk=2, skew=3.0)
     disp = rails.token_dispatcher
     calls = _count_planner_calls(disp)
     gen = torch.Generator().manual_seed(200 + rank)
     # two microbatches in flight, then their backward passes in reverse order (as a pipeline
     # schedule does): each backward recomputes its microbatch's forward
-    xs = [torch.randn(T, 1, H, generator=gen) for _ in range(2)]
+    xs = [torch.randn(T, 1, H, generator=gen) + 0.5 for _ in range(2)]
     w = torch.linspace(-1, 1, T * H).view(T, 1, H)
     grads = {}
     for name, layer, recompute in (("stock", stock, False), ("rails", rails, True)):
@@ -100,6 +107,11 @@ def _recompute_worker(rank, world, how, policy):
         if name == "rails":
             assert 1 <= planned <= 2 and len(calls) == planned, f"{how}: the recompute called the planner"
             assert len(disp.metrics) == 2, f"{how}: {len(disp.metrics)} metric records for 2 microbatches"
+            # the premise: the replayed plans used slots (summed over ranks)
+            used = torch.tensor([float(sum(r["resident_slots"] for r in disp.metrics))])
+            torch.distributed.all_reduce(used)
+            assert used.item() > 0, f"{how}, {policy}: no slot was used, the recompute replayed a stock layout " \
+                f"({[(r['max_over_mean_before'], r['max_over_mean_after']) for r in disp.metrics]})"
     (gx_s, gw_s), (gx_r, gw_r) = grads["stock"], grads["rails"]
     for a, b in zip(gx_r, gx_s):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

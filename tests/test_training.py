@@ -30,14 +30,19 @@ def _build(policy, world):
 def _worker(rank, world, policies):
     import torch
 
-    from megatron_rails.demo.train import DemoShape, make_optimizer, train_steps
+    from megatron_rails.demo.train import DemoShape, dispatcher_metrics, make_optimizer, train_steps
 
     torch.set_num_threads(1)
     shape = DemoShape()
     ref, _ = train_steps(_build("stock", world), shape, STEPS, rank, world)
     stock_keys = set(_build("stock", world).state_dict())
     for policy in policies:
-        got, _ = train_steps(_build(policy, world), shape, STEPS, rank, world)
+        model = _build(policy, world)
+        got, _ = train_steps(model, shape, STEPS, rank, world)
+        # the skewed routing made the policy use replicas at least once (summed over layers and ranks)
+        used = torch.tensor([float(sum(r["replicas_used"] for layer in dispatcher_metrics(model) for r in layer))])
+        torch.distributed.all_reduce(used)
+        assert used.item() > 0, f"{policy}: no replica used in {STEPS} steps"
         rel = np.abs(np.array(got) - ref) / np.abs(ref)
         assert rel.max() <= 1e-5, f"{policy}: losses differ from stock by {rel.max():.2e} (rel)\n{ref}\n{got}"
         assert got[-1] < got[0], f"{policy}: did not train: {got}"

@@ -96,22 +96,57 @@ def test_megatron_flags_errors_name_the_flag(argv, flag, capsys):
     assert flag in capsys.readouterr().err
 
 
+# every torch.distributed entry point that communicates (or makes a group, which is a collective
+# where the default group is bound to a device)
+COMM_FUNCTIONS = (
+    "all_to_all_single", "all_to_all", "all_gather", "all_gather_into_tensor", "all_gather_object",
+    "all_reduce", "reduce", "reduce_scatter", "reduce_scatter_tensor", "broadcast", "broadcast_object_list",
+    "gather", "gather_object", "scatter", "scatter_object_list", "barrier", "monitored_barrier",
+    "send", "recv", "isend", "irecv", "batch_isend_irecv", "new_group", "new_subgroups",
+)
+
+
 def _no_comm_worker(rank, world, pcfg, expect):
+    import sys
+
     import torch.distributed as dist
+    from torch.distributed import distributed_c10d
 
     import megatron_rails
 
-    def sentinel(*args, **kwargs):
-        raise AssertionError("communication started before the configuration error was raised")
+    called = []
 
-    for name in ("all_to_all_single", "all_gather", "all_reduce", "new_group", "broadcast"):
-        setattr(dist, name, sentinel)
+    def sentinel_for(name):
+        def sentinel(*args, **kwargs):
+            called.append(name)
+            raise AssertionError(f"communication ({name}) started before the configuration error was raised")
+        return sentinel
+
+    # `from torch.distributed import all_reduce` (in torch itself, Megatron-Core or this package)
+    # binds the function where it was imported: patching torch.distributed alone misses those. So
+    # every loaded module's name bound to one of these functions is replaced (torch.distributed,
+    # distributed_c10d, whose own collectives call each other through its globals, included);
+    # modules imported later get the sentinel from torch.distributed itself
+    real = {id(getattr(dist, n)): n for n in COMM_FUNCTIONS if hasattr(dist, n)}
+    assert len(real) >= 20, sorted(real.values())
+    patched = []
+    for mod in list(sys.modules.values()):
+        for attr, val in list(getattr(mod, "__dict__", {}).items()):
+            if id(val) in real:
+                patched.append((mod, attr, val))
+                setattr(mod, attr, sentinel_for(real[id(val)]))
+    assert {(m, a) for m, a, _ in patched} >= {(dist, n) for n in real.values()} | \
+        {(distributed_c10d, n) for n in real.values() if hasattr(distributed_c10d, n)}
     megatron_rails.install(pcfg)
     try:
-        with pytest.raises(Exception, match=expect):
+        with pytest.raises(Exception) as err:
             build_moe_layer(moe_config(world, "alltoall", experts=8))
+        assert not called, f"communication started before the configuration error was raised: {called}"
+        assert re.search(expect, str(err.value)), str(err.value)
     finally:
         megatron_rails.uninstall()
+        for mod, attr, val in patched:
+            setattr(mod, attr, val)
 
 
 @pytest.mark.parametrize("pcfg,expect", [

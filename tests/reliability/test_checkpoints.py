@@ -66,6 +66,8 @@ def _close(a, b, what):
 def _worker(rank, world, tmp):
     import torch
 
+    from megatron_rails.demo.train import dispatcher_metrics
+
     torch.set_num_threads(1)
     stock = _build("stock", world)
     stock_keys = set(stock.state_dict())
@@ -75,7 +77,12 @@ def _worker(rank, world, tmp):
     stock_ckpt = _save_load(stock_half, f"{tmp}/stock-{rank}.pt")
     for i, case in enumerate(CASES):
         name = "/".join(case)
-        full = _train(_build(case, world), STEPS, rank, world)
+        model = _build(case, world)
+        full = _train(model, STEPS, rank, world)
+        if case[0] != "none":  # the skewed routing made the policy use replicas (summed over ranks)
+            used = torch.tensor([float(sum(r["replicas_used"] for layer in dispatcher_metrics(model) for r in layer))])
+            torch.distributed.all_reduce(used)
+            assert used.item() > 0, f"{name}: no replica used in {STEPS} steps"
         again = _train(_build(case, world), STEPS, rank, world)
         assert again == full, f"{name}: two identical runs differ\n{full}\n{again}"
         _close(full, stock_full, f"{name} vs stock")
@@ -136,11 +143,11 @@ def _sharded_worker(rank, world):
     expert_keys = [k for k in sharded if "experts." in k]
     # every stock expert parameter is in the view
     assert len(expert_keys) == len(store.params), list(sharded)
+    # key by key: each entry holds its own expert's trained (shard) weights, not merely some expert's
     for k in expert_keys:
-        ten = sharded[k]
-        match = [v for n, v in plain.items() if n.startswith("experts.") and torch.is_tensor(v) and v.shape == ten.shape
-                 and torch.equal(v, ten)]
-        assert match, f"{k}: the sharded checkpoint view does not hold the trained (shard) weights"
+        assert k in plain, f"{k}: not a state_dict() key ({sorted(n for n in plain if 'experts.' in n)})"
+        assert torch.equal(sharded[k], plain[k]), \
+            f"{k}: the sharded checkpoint view does not hold this expert's trained (shard) weights"
 
 
 def test_fsep_distributed_checkpoint_view_is_current():

@@ -2,8 +2,9 @@
 
 * a plan that differs on one rank (its counts corrupted) or is invalid on one rank raises
   PlanMismatchError on every rank in debug mode (check_plan), never a hang or a wrong result;
-* NaN / inf router weights: the balanced dispatcher gives what the stock allgather dispatcher gives
-  (NaN where it has NaN), without crashing or hanging;
+* NaN router logits / an inf router weight, on some tokens (the others stay finite, compared as
+  values): the balanced dispatcher gives what the stock allgather dispatcher gives (NaN where it
+  has NaN), without crashing or hanging;
 * token counts beyond int32 survive the count all-gather and every planner exactly;
 * a skew the slot budget cannot absorb yields the best feasible plan, a warning, and the metric.
 """
@@ -74,6 +75,21 @@ def test_corrupted_rank_is_detected_on_every_rank(policy):
     spawn(_consistency_worker, 4, policy)
 
 
+def _poison_logits(layer, value):
+    """The router's logits for expert 3 set to `value` on the tokens whose first input feature is
+    positive: a NaN router weight would poison every token (NaN * anything is NaN), leaving nothing
+    finite to compare."""
+    gating = layer.router.gating
+
+    def poisoned(inp):
+        logits = gating(inp).clone()
+        rows = inp.reshape(-1, inp.shape[-1])[:, 0] > 0
+        logits.view(-1, logits.shape[-1])[rows, 3] = value
+        return logits
+
+    layer.router.gating = poisoned
+
+
 def _nan_worker(rank, world):
     for policy in ("ultraep", "fsep", "lp"):
         torch.manual_seed(1234)
@@ -82,14 +98,21 @@ def _nan_worker(rank, world):
         rails.load_state_dict(stock.state_dict())
         for poison in (float("nan"), float("inf")):
             for layer in (stock, rails):
-                with torch.no_grad():
-                    layer.router.weight[3, 0] = poison
+                if poison != poison:  # NaN: in the logits of some tokens
+                    _poison_logits(layer, poison)
+                else:  # inf in a router weight: +inf logits where x[:, 0] > 0 (NaN outputs), -inf elsewhere
+                    with torch.no_grad():
+                        layer.router.weight[3, 0] = poison
             x = torch.randn(T, 1, H, generator=torch.Generator().manual_seed(rank))
             ref, _ = stock(x)
             got, _ = rails(x)
+            # some tokens poisoned, some finite: equal_nan must not hide a wrong finite value
+            finite = torch.isfinite(ref)
+            assert finite.any() and not finite.all(), f"{policy}, router {poison}: {int(finite.sum())} finite"
             torch.testing.assert_close(got, ref, equal_nan=True, msg=lambda m: f"{policy}, router {poison}: {m}")
             with torch.no_grad():
                 for layer in (stock, rails):
+                    layer.router.__dict__.pop("gating", None)  # the class's gating again
                     layer.router.weight.copy_(stock.router.weight.nan_to_num(0.0, 0.0, 0.0))
 
 
@@ -132,23 +155,45 @@ def test_counts_beyond_int32_plan_exactly(policy):
 def _unbalanceable_worker(rank, world):
     import warnings
 
+    from megatron_rails.core.planners import PlannerConfig, make_planner
+
     layer = _layer(world, "ultraep", slots=1)
-    with torch.no_grad():  # every token to expert 0: one slot per rank cannot spread it evenly...
+    # experts 0-5 (owned by ranks 0, 1 and 2) equally loaded, 6 and 7 (rank 3's) idle: token t goes
+    # to experts 2j and 2j+1, j = t % 3 (top-2). Rank 3's one slot holds one replica, at most one
+    # expert's load (1/6 of the total, the mean is 1/4), so ranks 0-2 keep at least 5/18 each: no
+    # placement in one slot per rank balances it. (Every token to one expert would not do: the
+    # owner and three slots split it evenly.)
+    with torch.no_grad():
         layer.router.weight.zero_()
-        layer.router.weight[0] = 1.0
-    x = torch.ones(T, 1, H)
+        for j in range(3):
+            layer.router.weight[2 * j, j] = 1.0
+            layer.router.weight[2 * j + 1, j] = 0.5
+    x = torch.zeros(T, 1, H)
+    x[torch.arange(T), 0, torch.arange(T) % 3] = 1.0
+    counts = np.zeros((world, E), dtype=np.int64)
+    counts[:, :6] = T * 2 // 6
+    best, _ = make_planner("ultraep", PlannerConfig(world, E, 2, 1)).plan(counts)
+    assert best.load_D.max() * world > 1.05 * best.load_D.sum(), f"the planner absorbs this skew: {best.load_D}"
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         out, _ = layer(x)
         layer(x)
     m = layer.token_dispatcher.metrics[-1]
-    # ... yet it spreads it over every rank as well as integers allow (the best feasible plan)
-    n = T * world * 2  # top-2: the second choice goes to expert 1 (ties broken by index)
+    n = T * world * 2  # top-2
+    assert m["tokens_per_rank_before"] == [2 * n // 6] * 3 + [0], m["tokens_per_rank_before"]
+    # it spreads the load as well as one slot per rank allows (the best feasible plan: rank 3 takes
+    # one expert's load, the other ranks share the rest) ...
     assert m["max_over_mean_after"] < m["max_over_mean_before"]
-    if m["max_over_mean_after"] > 1.05:
-        assert m["unbalanced"] and m["unbalanced_steps"] == 1  # the second call replays the first's plan
-        if rank == 0:
-            assert any("cannot absorb" in str(w.message) for w in caught), [str(w.message) for w in caught]
+    assert max(m["tokens_per_rank_after"]) == -(-(n - n // 6) // 3), m["tokens_per_rank_after"]
+    # ... which is not balanced: a warning and the metric
+    assert m["max_over_mean_after"] > 1.05, m["tokens_per_rank_after"]
+    # two microbatches (equal counts are distinct steps, not replays: tests/test_replay.py), both
+    # counted; the warning comes once per layer
+    records = list(layer.token_dispatcher.metrics)
+    assert [(r["unbalanced"], r["unbalanced_steps"]) for r in records] == [(True, 1), (True, 2)], records
+    if rank == 0:
+        said = [str(w.message) for w in caught if "cannot absorb" in str(w.message)]
+        assert len(said) == 1, [str(w.message) for w in caught]
     assert sum(m["tokens_per_rank_after"]) == n
     assert torch.isfinite(out).all()
 
