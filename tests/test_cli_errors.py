@@ -8,6 +8,7 @@ so the table stays fast.
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -670,16 +671,20 @@ def test_help_states_ranges_and_what_each_benchmark_measures(capsys):
         assert f"{name}: {phrase}" in text, name
 
 
-def test_megatron_args_paste_as_one_command(capsys):
-    """--megatron-args: shell lines of at most 80 columns continued with ` \\`, which a shell joins back
-    into exactly the flags of the run config."""
+def test_megatron_args_paste_as_one_command(capsys, monkeypatch):
+    """--megatron-args: on a terminal, shell lines of at most 80 columns continued with ` \\`, which a
+    shell joins back into exactly the flags of the run config; into a pipe, one line of them."""
     import shlex
 
     from megatron_rails.config.run import load_run_config
 
     cfg = str(ROOT / "configs" / "mixtral" / "mixtral-8x7b.yaml")
+    want = load_run_config(cfg).megatron_args()
+    rc, out, _ = run_cli(["config", "show", cfg, "--megatron-args"], capsys)
+    assert rc == 0 and out.count("\n") == 1 and shlex.split(out) == want
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: True, raising=False)
     rc, out, _ = run_cli(["config", "show", cfg, "--megatron-args"], capsys)
     lines = out.rstrip("\n").split("\n")
     assert rc == 0 and len(lines) > 5 and max(map(len, lines)) <= 80
     assert all(ln.endswith(" \\") for ln in lines[:-1]) and not lines[-1].endswith("\\")
-    assert shlex.split(out.replace(" \\\n", " ")) == load_run_config(cfg).megatron_args()
+    assert shlex.split(out.replace(" \\\n", " ")) == want

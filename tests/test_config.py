@@ -73,3 +73,16 @@ def test_yaml_merge_keys_load_and_duplicates_do_not(tmp_path):
     f.write_text("x:\n  a: 1\n  a: 2\n")
     with pytest.raises(ConfigError, match="key 'a' given twice"):
         read_mapping(f, ConfigError, "YAML", "")
+
+
+def test_a_long_list_without_aliases_is_no_alias_bomb():
+    """The alias limit counts expanded values only where aliases expanded them: a data blend of
+    thousands of shards written out is a config's own size."""
+    from megatron_rails.core.yamlfile import MAX_VALUES, YamlShapeError, parse
+
+    blend = "data_path: [" + ", ".join(f"1, /data/shard{i}" for i in range(MAX_VALUES)) + "]"
+    assert len(parse(blend)["data_path"]) == 2 * MAX_VALUES
+    bomb = "a: &a [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]\n" + "".join(
+        f"{c}: &{c} [{', '.join([f'*{p}'] * 10)}]\n" for p, c in zip("abcd", "bcde"))
+    with pytest.raises(YamlShapeError, match="aliases"):
+        parse(bomb)

@@ -51,3 +51,28 @@ def test_is_stdout(tmp_path):
                        timeout=60)
     assert p.stderr.split() == ["True", "False"], p.stderr
     assert not is_stdout(tmp_path / "missing")
+
+
+def test_what_a_rename_would_change_is_written_in_place(tmp_path):
+    """A file with another hard link keeps it (both names see the new content); /dev/shm holds
+    files, not descriptors, so a result there is replaced like anywhere else."""
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text("old")
+    os.link(a, b)
+    assert writes_in_place(a)
+    write_text(a, "new")
+    assert b.read_text() == "new"
+    assert not writes_in_place("/dev/shm/megatron-rails-test.json")
+    assert writes_in_place("/dev/stdout") and writes_in_place("/dev/fd/1")
+
+
+def test_a_long_name_and_the_blocks_own_errors(tmp_path):
+    """A 255-byte name (the most a file system takes) still gets its temporary sibling; an OSError
+    of the caller's own block (reading an input) is not reported as the output's write error."""
+    long = tmp_path / ("r" * 250 + ".json")
+    write_text(long, "x")
+    assert long.read_text() == "x"
+    with pytest.raises(FileNotFoundError):
+        with replacing(tmp_path / "out.json"):
+            open(tmp_path / "missing-input.json")
+    assert not list(tmp_path.glob(".out*"))  # no temporary file left behind

@@ -24,7 +24,7 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         rng = getattr(action.type, "range_text", "")
         if not rng:
             return text
-        if text.endswith(")") and "default" in text[text.rfind("("):]:  # into the default's parentheses
+        if text.endswith(")") and text[text.rfind("("):].startswith("(default"):  # into the default's parentheses
             return f"{text[:-1]}; {rng})"
         return f"{text} ({rng})"
 

@@ -159,7 +159,10 @@ def cmd_show(args) -> int:
             from ..core.policy import ConfigError
 
             raise ConfigError(f"{args.file}: --megatron-args needs a run config, this is a {_kind(obj)} config")
-        print(shell_lines(obj.megatron_args()))
+        words = obj.megatron_args()
+        # on a terminal, lines to read and paste; into a pipe or $(...), one line: a shell splits
+        # command substitution on blanks and would pass the continuations' backslashes on as words
+        print(shell_lines(words) if sys.stdout.isatty() else shlex.join(words))
         return 0
     if args.get:
         for key in args.get:
@@ -205,8 +208,8 @@ def register(sub) -> None:
     s.add_argument("--get", action="append", metavar="KEY",
                    help="print only this dotted key (repeatable; default: the whole config)")
     s.add_argument("--megatron-args", action="store_true",
-                   help="print the Megatron-LM flags of a run config, as lines continued with \\ (paste after "
-                        "pretrain_gpt.py \\)")
+                   help="print the Megatron-LM flags of a run config: on a terminal as lines continued "
+                        "with \\ (paste after pretrain_gpt.py \\), else one line (for $(...))")
     s.set_defaults(func=cmd_show)
     d = csub.add_parser("docs", help="print (or --out) docs/configuration.md, generated from the dataclasses")
     d.add_argument("--out", type=out_file("--out"), help="write here instead of stdout (default: stdout)")

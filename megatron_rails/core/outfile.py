@@ -1,10 +1,11 @@
 """Writing result files (benchmark JSON, traces, figures, generated docs) so that a failed write never
 leaves a truncated file where a good one was: the data goes to a temporary file in the same
-directory, renamed over the target once complete (os.replace: atomic within a file system). A
-target that exists and is not a regular file (/dev/stdout, a pipe, a device) is written directly:
-there is nothing there to keep. A failed write raises WriteError naming the target.
+directory, renamed over the target once complete (os.replace: atomic within a file system). What a
+rename cannot replace faithfully is written directly (`writes_in_place`: /dev/stdout, a pipe or
+device, a file with other hard links or another owner, a directory we may not create files in). A
+failed write raises WriteError naming the target.
 
-    with replacing(out) as tmp:          # a path: np.save, savefig, anything that writes a file
+    with open_for_writing(out) as f:     # a file object
         ...
     write_text(out, json.dumps(result))
     save_figure(fig, png)
@@ -33,14 +34,24 @@ def _naming(path) -> Iterator[None]:
         raise WriteError(err.errno or errno.EIO, err.strerror or str(err), str(path)) from None
 
 
+# names for a descriptor the shell opened (/dev/stdout is the file or pipe stdout goes to: replacing
+# that file would leave the shell's descriptor on the old one); /dev/shm and the like are file systems
+_DESCRIPTOR_NAMES = ("/dev/stdin", "/dev/stdout", "/dev/stderr", "/dev/fd/", "/proc/")
+
+
 def writes_in_place(path) -> bool:
-    """Whether `path` is written as it is rather than replaced: a pipe or device, or a name under
-    /dev or /proc (/dev/stdout is the file or pipe the shell opened: replacing the file would leave
-    the shell's descriptor on the old one), or a file in a directory where we may create none."""
-    if os.path.abspath(path).startswith(("/dev/", "/proc/")):
+    """Whether `path` is written as it is rather than replaced: a pipe or device, a descriptor's name
+    (_DESCRIPTOR_NAMES) or the file stdout goes to, a file in a directory where we may create none,
+    or a file a rename would change beyond its content: one with other hard links (they would keep
+    the old content) or another owner (the new file would be ours)."""
+    if os.path.abspath(path).startswith(_DESCRIPTOR_NAMES):
         return True
     target = Path(os.path.realpath(path))
-    return (target.exists() and not target.is_file()) or not os.access(target.parent, os.W_OK)
+    if not target.exists():
+        return not os.access(target.parent, os.W_OK)
+    st = target.stat()
+    return (not target.is_file() or st.st_nlink > 1 or st.st_uid != os.geteuid()
+            or not os.access(target.parent, os.W_OK) or is_stdout(target))  # `--out f > f`: as /dev/stdout
 
 
 @contextlib.contextmanager
@@ -48,19 +59,21 @@ def replacing(path) -> Iterator[str]:
     """The path to write `path`'s new content to: a temporary sibling (same suffix: writers read the
     format from it), renamed over `path` when the block ends, removed if it raises; `path` itself
     where writes_in_place says so. A link is followed: the file it points to is replaced, the link kept."""
-    with _naming(path):
-        if writes_in_place(path):
-            yield str(path)
-            return
-        target = Path(os.path.realpath(path))
-        tmp = target.with_name(f".{target.stem}.{os.urandom(4).hex()}.tmp{target.suffix}")
-        try:
-            yield str(tmp)
+    if writes_in_place(path):
+        yield str(path)
+        return
+    target = Path(os.path.realpath(path))
+    # the name cut so that the temporary one fits where the target's does (255 bytes)
+    tmp = target.with_name(f".{target.stem[:200]}.{os.urandom(4).hex()}.tmp{target.suffix}")
+    try:
+        yield str(tmp)  # the block's own errors are its own: only the rename below is the write's
+        with _naming(path):
             if target.exists():  # the new file gets the old one's permissions, not the default ones
-                os.chmod(tmp, os.stat(target).st_mode & 0o7777)
+                with contextlib.suppress(OSError):  # some mounts refuse chmod: the content still counts
+                    os.chmod(tmp, os.stat(target).st_mode & 0o777)
             os.replace(tmp, target)
-        finally:
-            tmp.unlink(missing_ok=True)  # gone after the rename; left over after an error
+    finally:
+        tmp.unlink(missing_ok=True)  # gone after the rename; left over after an error
 
 
 @contextlib.contextmanager
@@ -79,7 +92,7 @@ def write_text(path, text: str) -> None:
 def save_figure(fig, path, **savefig_kwargs) -> None:
     """fig.savefig to `path` through `replacing`. Whatever stops the figure (a full disk, a format
     whose backend needs a program that is not installed) is a WriteError naming the file."""
-    with replacing(path) as tmp:
+    with replacing(path) as tmp, _naming(path):
         try:
             fig.savefig(tmp, **savefig_kwargs)
         except OSError:
