@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ..core.outfile import is_stdout, write_text
+from ..core.outfile import summary_stream, write_text
 from ..megatron import models
 from ..megatron.install import install, uninstall
 from ..runtime.comm.base import leave
@@ -160,7 +160,7 @@ def bench_dispatcher(out: str, reps: int = 20, world: int = 4, warmup: int = WAR
            "rows": rows,
            "targets": targets(rows, quick)}
     write_text(out, json.dumps(res, indent=1))
-    print(json.dumps(res["targets"], indent=1), file=sys.stderr if is_stdout(out) else sys.stdout)
+    print(json.dumps(res["targets"], indent=1), file=summary_stream(out))
     print(f"wrote {out}", file=sys.stderr)
     return res
 

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from ..core.errors import InputError
-from ..core.outfile import is_stdout, write_text
+from ..core.outfile import summary_stream, write_text
 from ..core.policy import PolicyConfig
 from ..runtime.local import (STAGING_ENV, pairs_per_token_range, rows, rows_back, send_order,
                              send_order_path, sum_pairs, token_rows)
@@ -257,6 +257,6 @@ def bench_local(out: str, shape_name: str = "mixtral-8x7b", device: str = "cpu",
     # stdout: the summary, as every bench (stderr where --out is stdout); stderr: progress and where the
     # results went
     print(json.dumps({"ratio_vs_megatron": {f"{r['policy']} {r['skew']}": r["ratio_vs_megatron"] for r in rows}},
-                     indent=1), file=sys.stderr if is_stdout(out) else sys.stdout)
+                     indent=1), file=summary_stream(out))
     print(f"wrote {out}", file=sys.stderr)
     return res

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..core.outfile import is_stdout, save_figure, write_text, writes_in_place
+from ..core.outfile import save_figure, summary_stream, write_text, writes_in_place
 from ..core.planners import POLICIES, PlannerConfig, PlannerError
 from ..core.planners.ultraep import _compiled
 from .measure import BoundCache, measure, pin_one_core, stdout_to_stderr
@@ -53,7 +53,7 @@ class Results:
     def __init__(self, out: str, result: dict):
         self.out, self.result = out, result
         self.partial = None if writes_in_place(out) else f"{out}.partial"
-        self.summary_file = sys.stderr if is_stdout(out) else sys.stdout
+        self.summary_file = summary_stream(out)
 
     def checkpoint(self) -> None:
         if self.partial:

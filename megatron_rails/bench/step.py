@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ..core.outfile import is_stdout, save_figure, write_text
+from ..core.outfile import save_figure, summary_stream, write_text
 from ..core.policy import as_policy
 from ..megatron import models
 from ..megatron.install import install, uninstall
@@ -275,7 +275,7 @@ def bench_step(out: str, ranks: int = 2, microbatches: int = 8, quick: bool = Fa
                             "taken within a round (see megatron_rails/bench/step.py)."},
            "rows": rows, "targets": targets(rows)}
     write_text(out, json.dumps(res, indent=1))  # the results first: a figure that fails loses none of them
-    print(table(rows), file=sys.stderr if is_stdout(out) else sys.stdout)
+    print(table(rows), file=summary_stream(out))
     if plot is not False:
         plot_step(res, plot or os.path.splitext(out)[0] + ".png")
     return res

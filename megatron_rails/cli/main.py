@@ -91,9 +91,10 @@ def _counts_file(args):
 
 # which policies read each of plan's policy options (core/planners/base.py PlannerConfig):
 # policy, placement -> whether it does
+_HISTORY_USERS = ("eplb, and lp on --placement eplb", lambda p, pl: p == "eplb" or (p == "lp" and pl == "eplb"))
 PLAN_OPTION_USERS = {
-    "window": ("eplb, and lp on --placement eplb", lambda p, pl: p == "eplb" or (p == "lp" and pl == "eplb")),
-    "interval": ("eplb, and lp on --placement eplb", lambda p, pl: p == "eplb" or (p == "lp" and pl == "eplb")),
+    "window": _HISTORY_USERS,  # eplb's history
+    "interval": _HISTORY_USERS,
     "placement": ("lp", lambda p, pl: p == "lp"),
     "tolerance": ("eplb, ultraep, fsep and lp (not on --placement static)",
                   lambda p, pl: p not in ("none", "lp") or (p == "lp" and pl != "static")),

@@ -33,6 +33,11 @@ def cut(text: str, limit: int = SHOWN_CHARS) -> str:
     return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
+def reason(err: BaseException, limit: int = 120) -> str:
+    """A library's error as one line of at most `limit` characters (its type where it says nothing)."""
+    return " ".join(str(err).split())[:limit] or type(err).__name__
+
+
 class InputError(ValueError):
     """Bad input: an argument, a config or a data file. Its message names the argument (or file and
     key) and what is allowed."""

@@ -15,8 +15,11 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import sys
 from pathlib import Path
 from typing import Iterator
+
+from .errors import reason
 
 
 class WriteError(OSError):
@@ -98,7 +101,7 @@ def save_figure(fig, path, **savefig_kwargs) -> None:
         except OSError:
             raise
         except Exception as err:  # the backend's own errors: the results written before it stand
-            why = " ".join(str(err).split())[:120] or type(err).__name__
+            why = reason(err)
             raise WriteError(errno.EIO, f"the figure could not be written ({why})", str(path)) from None
 
 
@@ -109,3 +112,9 @@ def is_stdout(path) -> bool:
         return os.path.samestat(os.stat(path), os.fstat(1))
     except (OSError, ValueError):
         return False
+
+
+def summary_stream(path):
+    """Where a command's short summary goes when its results go to `path`: stdout, unless that is
+    where the results go (its one JSON document stays alone there), then stderr."""
+    return sys.stderr if is_stdout(path) else sys.stdout

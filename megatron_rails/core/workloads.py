@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import InputError, check_file, cut, shown
+from .errors import InputError, check_file, cut, reason, shown
 from .outfile import open_for_writing, write_text
 from .plan import PlanError, check_counts
 
@@ -510,8 +510,7 @@ def load_trace_npz(path) -> tuple[np.ndarray, dict]:
         raise WorkloadError(f"{p}: not a readable trace .npz (its counts claim more memory than there is: "
                             "cut off or corrupt)") from None
     except (ValueError, OSError, EOFError, zipfile.BadZipFile) as err:  # EOFError: empty; BadZipFile: cut off
-        why = " ".join(str(err).split())[:120] or type(err).__name__
-        raise WorkloadError(f"{p}: not a readable trace .npz ({why})") from None
+        raise WorkloadError(f"{p}: not a readable trace .npz ({reason(err)})") from None
     if c.ndim != 4 or c.dtype.kind not in "iu" or 0 in c.shape or c.min() < 0:
         raise WorkloadError(f"{p}: counts must be non-negative integers [steps, layers, ranks, experts], "
                             f"got shape {c.shape} dtype {c.dtype}")

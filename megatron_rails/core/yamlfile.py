@@ -10,7 +10,7 @@ import functools
 from pathlib import Path
 from typing import Callable
 
-from .errors import check_file
+from .errors import check_file, cut
 
 MAX_BYTES = 1 << 20  # configs are a few KB; beyond, a wrong file (a checkpoint, a log)
 # values (scalars, lists, mappings) a document may hold with its aliases expanded: a run config
@@ -65,7 +65,7 @@ def _key_problem(key, path: list) -> str:
         return ""
     kind = KEY_KINDS.get(key.tag.rsplit(":", 1)[-1], key.tag)
     text = key.value if isinstance(key.value, str) else ("[...]" if kind == "a list" else "{...}")
-    text = text if len(text) <= 40 else text[:37] + "..."
+    text = cut(text, 40)
     return (f"{_where(path)}{f'key {text}' if text else 'an empty key'} ({kind}, line {key.start_mark.line + 1}) "
             "is not a name; keys are strings")
 
