@@ -209,6 +209,8 @@ CASES = [
      "--tolerance would change nothing with --policy lp --placement static"),
     ("simulate run trace-tokens without trace", ["simulate", "run", MINI, "--trace-tokens", "raw"],
      "give --trace FILE, or drop --trace-tokens"),
+    ("simulate run seed with trace", ["simulate", "run", MINI, "--trace", "{tmp}/c.npy", "--seed", "3"],
+     "a --trace replays its own counts: drop --seed"),
     ("plan counts all zero", PLAN + ["--counts", "{tmp}/z48.npy"], "every count is 0"),
     # messages that blame the flag the user gave, in YAML's words
     ("plan default node size", ["plan", "--policy", "fsep", "--ranks", "12"],
@@ -597,6 +599,16 @@ def test_bench_planners_to_stdout_is_one_json_document(tmp, capfd, monkeypatch):
     capfd.readouterr()
     assert json.loads(out_file.read_text())["rows"] and (tmp / "planners.svg").is_file()
     assert not (tmp / "planners.json.partial").exists()
+
+
+def test_soak_to_stdout_with_json_is_one_json_document(capfd):
+    """soak --out /dev/stdout --json: the result once on stdout (it printed it twice before)."""
+    import json
+
+    assert main(["soak", "--planner-calls", "3", "--steps", "0", "--out", "/dev/stdout", "--json"]) == 0
+    out, _ = capfd.readouterr()
+    result = json.loads(out)  # raises on a second document after the first
+    assert result["ok"] is True and result["planner"]["calls"] == 3
 
 
 def test_benchmark_progress_file_holds_what_is_measured_so_far(tmp):

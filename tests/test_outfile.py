@@ -18,6 +18,25 @@ def test_a_failed_write_keeps_the_old_file(tmp_path):
     assert f.read_text() == "good" and os.listdir(tmp_path) == ["r.json"]  # no temporary file left
 
 
+def test_data_the_disk_did_not_take_fails_the_write(tmp_path, monkeypatch):
+    """The new content reaches the disk before the rename (fsync): where the disk reports an error
+    the write fails naming the file and the old file stays (a rename first could have left it empty
+    after a crash)."""
+    import errno
+
+    f = tmp_path / "r.json"
+    f.write_text("good")
+
+    def failing_fsync(fd):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(os, "fsync", failing_fsync)
+    with pytest.raises(WriteError) as err:
+        write_text(f, "new")
+    assert err.value.filename == str(f) and err.value.errno == errno.EIO
+    assert f.read_text() == "good" and os.listdir(tmp_path) == ["r.json"]
+
+
 def test_a_finished_write_replaces_the_file_keeping_its_mode_and_links(tmp_path):
     f = tmp_path / "r.json"
     f.write_text("old")

@@ -40,7 +40,8 @@ def register_run(subparsers) -> None:
     p.add_argument("--trace-tokens", choices=("scale", "raw"), default=Default("scale"),
                    help="with --trace: scale: rescale each trace row to the config's tokens per rank; raw: as "
                         "recorded")
-    p.add_argument("--seed", type=int_range("--seed", 0, 2**32 - 1), default=0, help="workload seed")
+    p.add_argument("--seed", type=int_range("--seed", 0, 2**32 - 1), default=Default(0),
+                   help="seed of the --skew workload (a --trace has its own counts)")
     p.add_argument("--slots", type=int_range("--slots", 0, MAX_SLOTS),
                    help="redundant slots per rank for every policy (default: the config's balancer)")
     p.add_argument("--mfu", type=float_range("--mfu", MIN_MFU, 1.0), default=0.5,
@@ -71,6 +72,8 @@ def run(args) -> dict:
 
     if args.trace is None and "trace_tokens" not in args.unset:
         raise InputError("--trace-tokens says how to replay a --trace: give --trace FILE, or drop --trace-tokens")
+    if args.trace is not None and "seed" not in args.unset:
+        raise InputError("--seed draws the --skew workload; a --trace replays its own counts: drop --seed")
     policies, comms = check_names(args.policies, args.comm)  # fail before loading anything
     SimOptions(mfu=args.mfu, overlap=args.overlap, a2a_model=args.a2a_model, weight_sync=args.weight_sync)
     rc = load_run_config(args.config, [*args.overrides, *args.set])

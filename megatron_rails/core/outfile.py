@@ -71,12 +71,22 @@ def replacing(path) -> Iterator[str]:
     try:
         yield str(tmp)  # the block's own errors are its own: only the rename below is the write's
         with _naming(path):
+            _flush_to_disk(tmp)  # else a crash soon after the rename can leave an empty file there
             if target.exists():  # the new file gets the old one's permissions, not the default ones
                 with contextlib.suppress(OSError):  # some mounts refuse chmod: the content still counts
                     os.chmod(tmp, os.stat(target).st_mode & 0o777)
             os.replace(tmp, target)
     finally:
         tmp.unlink(missing_ok=True)  # gone after the rename; left over after an error
+
+
+def _flush_to_disk(path) -> None:
+    """fsync `path`'s data: a disk that fails to take it (EIO) fails the write, the old file kept."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 @contextlib.contextmanager

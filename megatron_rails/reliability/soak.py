@@ -201,11 +201,11 @@ def run_soak(planner_calls: int, steps: int, world: int, out: str | None, json_o
     res["seconds"] = time.perf_counter() - t0
     fails = sum(len(v["failures"]) for v in res.values() if isinstance(v, dict))
     res["ok"] = fails == 0
-    if out:
-        from ..core.outfile import write_text
+    from ..core.outfile import is_stdout, write_text
 
+    if out:
         write_text(out, json.dumps(res, indent=1))
-    if json_out:
+    if json_out and not (out and is_stdout(out)):  # `--out /dev/stdout --json`: one document, not two
         print(json.dumps(res))
     else:
         p, d = res["planner"], res["dispatcher"]
