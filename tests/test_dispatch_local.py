@@ -494,3 +494,44 @@ def test_triton_send_order_matches_the_host_order():
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "triton send order matches 125" in out.stdout
+
+
+@pytest.mark.parametrize("max_runs", [MAX_RUNS, 0])
+@pytest.mark.parametrize("policy", POLICIES)
+def test_device_local_work_reads_no_device_data(policy, max_runs, monkeypatch):
+    """The local work of a layer step on the device path (MEGATRON_RAILS_SEND_ORDER=device, what
+    CUDA runs where Triton is missing): the send order made by torch ops, the rows sent, the received
+    rows grouped by slot, split, put back, and the combine's sum, forward and backward, run on the
+    meta device, which holds no data. So none of those ops reads device values back to the host or
+    sizes an output by them, what would make a GPU wait (the all-to-all's split sizes come from the
+    plan, on the host). The host-made order, whose nonzero does read them, fails on meta."""
+    from megatron_rails.runtime.local import send_order
+
+    monkeypatch.setenv("MEGATRON_RAILS_SEND_ORDER", "device")
+    monkeypatch.setattr(local_mod, "MAX_RUNS", max_runs)  # 0: the regrouping by a permutation tensor
+    meta, H = torch.device("meta"), 6
+    rng = np.random.default_rng(31 + hash(policy) % 1000)
+    for k in (2, 0, E):  # top-2; a varying number of pairs per token (no by-token table); every expert
+        T = int(rng.integers(1, 40))
+        rmap, probs = _routing(rng, T, k)
+        me = int(rng.integers(D))
+        plan = _plan(rng, policy, rmap, me)
+        with pytest.raises(NotImplementedError):  # the check can fail: the host path reads the map
+            order_pairs(plan, me, rmap.to(meta), probs.to(meta), uniform=k > 0)
+        probs_m = probs.to(meta).float().requires_grad_()
+        so = send_order(plan, me, rmap.to(meta), probs_m, uniform=k > 0, receive=True)
+        P = int(rmap.sum())
+        assert so.token_P.device == meta and so.token_P.shape == (P,) and (so.by_token is None) == (k == 0)
+        x_TH = torch.empty(T, H, device=meta, requires_grad=True)
+        x_PH = token_rows(x_TH, so) * so.probs_P.unsqueeze(-1)
+        # the rows that arrive (their count from the plan), grouped by slot, computed, put back
+        order, inverse, per_slot = so.receive
+        x_QH = torch.empty(sum(so.recv_D), H, device=meta, requires_grad=True)
+        parts = torch.split(rows(x_QH, order, inverse), per_slot.tolist())
+        y_QH = rows_back([2 * p for p in parts], order)
+        assert y_QH.shape == x_QH.shape
+        # what comes back, one row per pair sent, summed per token
+        y_TH = sum_pairs(x_PH, so, T)
+        assert y_TH.shape == (T, H)
+        (y_TH.sum() + y_QH.sum()).backward()
+        assert x_TH.grad.shape == (T, H) and probs_m.grad.shape == (T, E) and x_QH.grad.shape == x_QH.shape
