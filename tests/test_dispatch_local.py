@@ -271,7 +271,7 @@ def test_rows_with_inverse_backward_equals_advanced_indexing():
 @pytest.mark.parametrize("kind", ["permutation", "subset", "repeats"])
 def test_shard_rows_scatter_sums_gradients_into_their_rows(kind):
     """The FSEP exchange's shard-row gradients back onto [E, ...]: a dense float64 loop is the reference."""
-    from megatron_rails.runtime.experts import _ShardRows
+    from megatron_rails.runtime.sharded import _ShardRows
 
     rng = np.random.default_rng(11)
     for _ in range(20):

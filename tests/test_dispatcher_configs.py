@@ -110,7 +110,7 @@ def _alone_worker(rank, world):
     import warnings
 
     import megatron_rails
-    from megatron_rails.runtime.experts import ShardedExpertStore
+    from megatron_rails.runtime.sharded import ShardedExpertStore
 
     torch.manual_seed(3)
     stock = build_moe_layer(moe_config(world, "allgather"))

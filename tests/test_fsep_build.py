@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from megatron_rails.runtime.expert_kind import ExpertKind, UnsupportedExperts
-from megatron_rails.runtime.experts import ShardedExpertStore
+from megatron_rails.runtime.sharded import ShardedExpertStore
 
 E, F, H = 4, 3, 5
 

@@ -1,4 +1,4 @@
-"""FSEP holds its shards and the step's slots, not a stock copy beside them (runtime/experts.py).
+"""FSEP holds its shards and the step's slots, not a stock copy beside them (runtime/sharded.py).
 
 Storage bytes of the experts module's parameters per rank, measured (distinct storages), against a
 stock Megatron-Core layer of the same shape: equal up to the shards' padding and the one element the

@@ -227,7 +227,7 @@ def targets(rows: list[dict]) -> dict:
                           for s in ("zipf:1.2", "zipf:2.0") for p in ("ultraep", "lp", "fsep", "default")},
         "fsep_uniform_weight_bytes_le_quarter_of_per_microbatch":
             fsep["weight_bytes_per_step"] <= fsep["weight_bytes_per_step_if_per_microbatch"] / 4,
-        # + the one element per layer the freed stock parameters point at (runtime/experts.py)
+        # + the one element per layer the freed stock parameters point at (runtime/sharded.py)
         "fsep_expert_bytes_le_stock_plus_slots":
             fsep["expert_bytes_per_rank"] <= stock_bytes + fsep["slot_bytes"] + PLACEHOLDER_BYTES * SHAPE["layers"],
     }

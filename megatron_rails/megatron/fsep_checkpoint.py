@@ -1,6 +1,6 @@
 """fsep's shards in Megatron's distributed checkpoints: saved and loaded in the stock layout.
 
-Under fsep the experts train one parameter, the shards [E, ceil(W/D)] (runtime/experts.py's
+Under fsep the experts train one parameter, the shards [E, ceil(W/D)] (runtime/sharded.py's
 ShardedExpertStore), while a checkpoint holds the stock expert parameters: what stock EP saves,
 loadable at any EP size and by a run with any policy. `sharded_state_dict()` of the experts module
 is wrapped so that
@@ -31,7 +31,7 @@ from dataclasses import replace
 import torch
 from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject, ShardedTensor, ShardedTensorFactory
 
-from ..runtime.experts import ShardedExpertStore
+from ..runtime.sharded import ShardedExpertStore
 
 
 def wrap_sharded_state_dict(store: ShardedExpertStore) -> None:

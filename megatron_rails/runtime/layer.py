@@ -47,7 +47,8 @@ from ..core.policy import PolicyConfig
 from .comm import all_gather_counts, collective_device, make_comm
 from .comm.base import node_group, side_group
 from .expert_kind import ExpertKind
-from .experts import ExpertStore, ShardedExpertStore
+from .experts import ExpertStore
+from .sharded import ShardedExpertStore
 from .faults import maybe_fault
 from .dedup import DedupExchange, fanout_DD
 from .local import SendOrder, pairs_per_token_range, rows, rows_back, send_order, sum_pairs, token_rows
