@@ -4,6 +4,7 @@ over many random routings per policy: skewed, uniform, all tokens to one expert 
 experts get only second choices, some none). Stock Megatron's router rejects a rank with no input
 tokens at all, so that case is not part of the comparison."""
 import os
+import warnings
 
 import numpy as np
 import pytest
@@ -185,20 +186,56 @@ def test_unbalanced_warning_advice_fits_the_policy():
 def _refusal_worker(rank, world):
     import megatron_rails
 
-    cfg = moe_config(world, "alltoall")
-    cfg.overlap_moe_expert_parallel_comm = True  # set after validation, which wants CUDA and bf16 for it
-    megatron_rails.install({"policy": "ultraep"})
-    try:
-        with pytest.raises(NotImplementedError, match="overlap_moe_expert_parallel_comm"):
-            build_moe_layer(cfg)
-    finally:
-        megatron_rails.uninstall()
+    # each set after validation, which wants CUDA, bf16 or Transformer Engine for it
+    for policy, setting, value, word in (
+            ("ultraep", "overlap_moe_expert_parallel_comm", True, "overlap_moe_expert_parallel_comm"),
+            ("ultraep", "overlap_dispatch_backward_with_experts_wgrad", True, "weight gradients"),
+            ("fsep", "transformer_impl", "inference_optimized", "inference_optimized"),
+            ("lp", "transformer_impl", "inference_optimized", None),  # owner layout: the stock experts hold weights
+            ("none", "overlap_dispatch_backward_with_experts_wgrad", False, None)):
+        cfg = moe_config(world, "alltoall")
+        setattr(cfg, setting, value)
+        megatron_rails.install({"policy": policy})
+        try:
+            if word is None:
+                assert type(build_moe_layer(cfg).token_dispatcher).__name__ == "RailsTokenDispatcher"
+            else:
+                with pytest.raises(NotImplementedError, match=word):
+                    build_moe_layer(cfg)
+        finally:
+            megatron_rails.uninstall()
 
 
-def test_expert_parallel_comm_overlap_is_refused():
-    """Megatron's 1F1B all-to-all overlap splits the layer's autograd graph into pieces run around
-    another microbatch's: refused at build time with the flag's name, not left to fail inside."""
+def test_settings_the_dispatcher_cannot_serve_are_refused():
+    """Refused at build time with the setting's name, not left to fail inside or to train wrongly:
+    Megatron's 1F1B all-to-all overlap (it splits the layer's autograd graph into pieces run around
+    another microbatch's); megatron-core 0.19's overlap of the dispatch backward with the experts'
+    deferred weight gradients (slots' would be missed); fsep under 0.19's inference-optimized
+    layers (whose inference dispatcher computes the stock experts, placeholders under fsep). The
+    owner-layout policies build under the latter, and with the former off."""
     spawn(_refusal_worker, 1)
+
+
+def _padding_worker(rank, world):
+    import megatron_rails
+
+    for policy, warns in (("ultraep", True), ("none", False)):
+        cfg = moe_config(world, "alltoall")
+        cfg.moe_expert_capacity_factor, cfg.moe_pad_expert_input_to_capacity = 1.0, True
+        megatron_rails.install({"policy": policy})
+        try:
+            with warnings.catch_warnings(record=True) as seen:
+                warnings.simplefilter("always")
+                build_moe_layer(cfg)
+        finally:
+            megatron_rails.uninstall()
+        said = [w for w in seen if "moe_pad_expert_input_to_capacity" in str(w.message)]
+        assert bool(said) == warns, (policy, [str(w.message) for w in seen])
+
+
+def test_padding_to_capacity_warns_that_there_is_nothing_to_balance():
+    """Drop-and-pad gives every expert its capacity: a balancing policy is told it only adds cost."""
+    spawn(_padding_worker, 1)
 
 
 def _cuda_graph_worker(rank, world):
@@ -208,11 +245,14 @@ def _cuda_graph_worker(rank, world):
         "cuda_graph_scope"  # 0.19 / 0.16
     megatron_rails.install({"policy": "ultraep"})
     try:
-        for impl, captured, refused in (("local", [], True), ("transformer_engine", ["moe_router", "moe_preprocess"], True),
-                                        ("transformer_engine", ["attn", "moe_router"], False)):
+        for impl, captured, inference, refused in (
+                ("local", [], None, True), ("transformer_engine", ["moe_router", "moe_preprocess"], None, True),
+                ("transformer_engine", ["attn", "moe_router"], None, False), ("local", ["attn"], "layer", False),
+                ("local", ["attn"], "block", True)):  # 0.19's inference graphs over whole blocks
             cfg = moe_config(world, "alltoall")
             cfg.cuda_graph_impl = impl  # set after validation, which wants CUDA and Transformer Engine
             setattr(cfg, regions, captured)
+            cfg.inference_cuda_graph_scope = inference  # on 0.16 a name it never reads
             if refused:
                 with pytest.raises(NotImplementedError, match=f"CUDA graph .*cuda_graph_impl={impl}"):
                     build_moe_layer(cfg)

@@ -22,6 +22,10 @@ VARIANTS = {
                                 moe_router_enable_expert_bias=True),
     "capacity-drops": dict(moe_expert_capacity_factor=1.0, moe_token_drop_policy="probs"),
     "shared-experts": dict(moe_shared_expert_intermediate_size=24),
+    # drop-and-pad: every expert gets exactly its capacity (padding pairs with prob 0)
+    "pad-to-capacity": dict(moe_expert_capacity_factor=2.0, moe_pad_expert_input_to_capacity=True),
+    "router-fp64": dict(moe_router_dtype="fp64"),
+    "group-limited": dict(moe_router_num_groups=4, moe_router_group_topk=2),
 }
 
 
@@ -77,10 +81,12 @@ def _worker(rank, world, routings, variants=VARIANTS, rails_overrides=None):
                     torch.testing.assert_close(w2[n], w1[n], rtol=1e-5, atol=1e-5,
                                                msg=lambda m: f"{where}: grad of {n}\n{m}")
             # the parity covered replicas (summed over ranks): every policy but none places some under
-            # the skewed routing; at top-k = E the counts are even and an owner layout stays as is
+            # the skewed routing; at top-k = E, and padded to capacity, the counts are even and an
+            # owner layout stays as is
             used = torch.tensor([float(sum(r["replicas_used"] for r in rails.token_dispatcher.metrics))])
             torch.distributed.all_reduce(used)
-            even = rails.config.moe_router_topk == rails.config.num_moe_experts
+            even = (rails.config.moe_router_topk == rails.config.num_moe_experts
+                    or rails.config.moe_pad_expert_input_to_capacity)
             if policy != "none" and (policy == "fsep" or not even):
                 assert used.item() > 0, f"{name}, policy {policy}: no replica used in {routings} routings"
 

@@ -18,7 +18,8 @@
 * 0.16.x's router GEMM tests `moe_utils.te_general_gemm is not None`, but without Transformer Engine
   the name is never defined: the first MoE forward raises NameError (`define_te_general_gemm`).
 * CUDA graph regions: `cuda_graph_scope` in 0.16.x, `cuda_graph_modules` in 0.19.x (which also has
-  `cuda_graph_impl="full_iteration"`); an empty list is the whole layer (`cuda_graphs_capture_dispatch`).
+  `cuda_graph_impl="full_iteration"`, and `inference_cuda_graph_scope`, whose `block` captures whole
+  decoder blocks in inference); an empty list is the whole layer (`cuda_graphs_capture_dispatch`).
 """
 from __future__ import annotations
 
@@ -212,13 +213,16 @@ def wait_param_gather(module) -> None:
 
 def cuda_graphs_capture_dispatch(config) -> str | None:
     """The CUDA graph setting, as a user names it, under which Megatron would capture the token
-    dispatcher's steps (the whole layer, the MoE layer, its preprocessing, or the whole
-    iteration); None when CUDA graphs are off or capture other regions only."""
+    dispatcher's steps (the whole layer, the MoE layer, its preprocessing, the whole iteration, or
+    in inference whole blocks); None when CUDA graphs are off or capture other regions only."""
     impl = str(getattr(config, "cuda_graph_impl", "none") or "none")
     if impl == "none":
         return None
     if impl == "full_iteration":
         return "cuda_graph_impl=full_iteration"
+    inference = getattr(config, "inference_cuda_graph_scope", None)  # 0.19: an enum, None when unset
+    if str(getattr(inference, "name", inference)) == "block":  # inference graphs over whole blocks
+        return f"cuda_graph_impl={impl} with inference_cuda_graph_scope=block"
     regions = getattr(config, "cuda_graph_modules", None)
     if regions is None:
         regions = getattr(config, "cuda_graph_scope", None)

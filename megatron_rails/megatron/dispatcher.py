@@ -13,6 +13,7 @@ received, H hidden size.
 """
 from __future__ import annotations
 
+import warnings
 from typing import Optional
 
 import numpy as np
@@ -52,6 +53,13 @@ class RailsTokenDispatcher(MoETokenDispatcher):
             raise NotImplementedError("megatron-rails does not support overlap_moe_expert_parallel_comm "
                                       "(--overlap-moe-expert-parallel-comm); turn it off to use the rails "
                                       "dispatcher")
+        if getattr(config, "overlap_dispatch_backward_with_experts_wgrad", False):  # 0.19
+            # it defers the experts' weight gradients (Transformer Engine's delay_wgrad_compute) and
+            # computes them from a node of its own at the dispatch's backward: slots computed with
+            # borrowed weights would not be among them
+            raise NotImplementedError("megatron-rails does not support overlap_dispatch_backward_with_experts_wgrad "
+                                      "(--overlap-dispatch-backward-with-experts-wgrad): it defers the experts' "
+                                      "weight gradients, which the slots' borrowed weights would miss; turn it off")
         captured = cuda_graphs_capture_dispatch(config)
         if captured:
             # the dispatcher gathers counts and plans on the host every step: nothing a graph replays
@@ -61,6 +69,17 @@ class RailsTokenDispatcher(MoETokenDispatcher):
         self.local_expert_indices = list(local_expert_indices)
         self.num_experts = config.num_moe_experts
         self.pcfg = policy if policy is not None else installed_policy()
+        if self.pcfg.sharded and getattr(config, "transformer_impl", None) == "inference_optimized":  # 0.19
+            # in inference that MoELayer swaps in its own dispatcher, which runs the stock experts:
+            # under the sharded layout those hold no weights (only placeholders beside the shards)
+            raise NotImplementedError(f"megatron-rails policy {self.pcfg.policy} (fsep shards) cannot run with "
+                                      "transformer_impl='inference_optimized': its inference dispatcher computes "
+                                      "the stock experts, which hold no weights under fsep; use another policy")
+        if self.pcfg.policy != "none" and getattr(config, "moe_pad_expert_input_to_capacity", False):
+            warnings.warn(f"megatron-rails: moe_pad_expert_input_to_capacity gives every expert exactly its "
+                          f"capacity, so there is nothing for policy {self.pcfg.policy} to balance and it only "
+                          f"adds its cost (the padding rows are sent and computed as stock does); use policy "
+                          f"none, or drop the padding", RuntimeWarning, stacklevel=2)
         self.runtime = LayerRuntime(self.pcfg, self.ep_group, self.num_experts)
         hook_ddp()  # slot gradients follow DDP's gradient sync (grad_sync.py)
         self.ep_rank = self.runtime.rank
