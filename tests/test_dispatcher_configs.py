@@ -1,9 +1,10 @@
 """RailsTokenDispatcher parity across Megatron-Core MoE settings other than the SwiGLU top-2 layer
 of tests/test_dispatcher.py: biases, a non-gated activation, top-1 (probs on the output or on the
-input), top-k = E, a sigmoid router with expert bias, router-side token drops (capacity), shared
+input), top-k = E, a sigmoid router with expert bias, router-side token drops (capacity), also
+padded to capacity, an fp64 router, group-limited routing, MoELayer's own recompute, shared
 experts, and shared experts overlapped with the dispatcher (--moe-shared-expert-overlap, which hands
 them to the dispatcher to run). The reference is the stock allgather dispatcher with identical
-weights; every policy, fp32, 1e-5."""
+weights; every policy, fp32, 1e-5 (and bf16 within its rounding)."""
 import numpy as np
 import pytest
 import torch
@@ -26,6 +27,8 @@ VARIANTS = {
     "pad-to-capacity": dict(moe_expert_capacity_factor=2.0, moe_pad_expert_input_to_capacity=True),
     "router-fp64": dict(moe_router_dtype="fp64"),
     "group-limited": dict(moe_router_num_groups=4, moe_router_group_topk=2),
+    # MoELayer checkpoints its own forward (router and dispatcher) and replays it in backward
+    "moe-recompute": dict(recompute_granularity="selective", recompute_modules=["moe"]),
 }
 
 
@@ -50,7 +53,7 @@ def _grads(layer):
     return grads
 
 
-def _worker(rank, world, routings, variants=VARIANTS, rails_overrides=None):
+def _worker(rank, world, routings, variants=VARIANTS, rails_overrides=None, dtype=torch.float32, tol=1e-5):
     import megatron_rails
 
     for name, overrides in variants.items():
@@ -68,17 +71,17 @@ def _worker(rank, world, routings, variants=VARIANTS, rails_overrides=None):
                 res = []
                 for layer in (stock, rails):
                     layer.zero_grad(set_to_none=True)
-                    x = x_np.clone().view(-1, 1, H).requires_grad_(True)
+                    x = x_np.clone().to(dtype).view(-1, 1, H).requires_grad_(True)
                     out, _ = layer(x)
                     (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
                     res.append((out.detach(), x.grad.clone(), _grads(layer)))
                 (o1, g1, w1), (o2, g2, w2) = res
                 where = f"{name}, policy {policy}, routing {it}, rank {rank}"
-                torch.testing.assert_close(o2, o1, rtol=1e-5, atol=1e-5, msg=lambda m: f"{where}: output\n{m}")
-                torch.testing.assert_close(g2, g1, rtol=1e-5, atol=1e-5, msg=lambda m: f"{where}: input grad\n{m}")
+                torch.testing.assert_close(o2, o1, rtol=tol, atol=tol, msg=lambda m: f"{where}: output\n{m}")
+                torch.testing.assert_close(g2, g1, rtol=tol, atol=tol, msg=lambda m: f"{where}: input grad\n{m}")
                 assert set(w2) == set(w1), where
                 for n in w1:
-                    torch.testing.assert_close(w2[n], w1[n], rtol=1e-5, atol=1e-5,
+                    torch.testing.assert_close(w2[n], w1[n], rtol=tol, atol=tol,
                                                msg=lambda m: f"{where}: grad of {n}\n{m}")
             # the parity covered replicas (summed over ranks): every policy but none places some under
             # the skewed routing; at top-k = E, and padded to capacity, the counts are even and an
@@ -93,6 +96,20 @@ def _worker(rank, world, routings, variants=VARIANTS, rails_overrides=None):
 
 def test_parity_across_moe_settings():
     spawn(_worker, 4, 2)  # per setting and policy: one near-uniform routing, one skewed
+
+
+def _bf16_worker(rank, world):
+    half = {"bf16": dict(params_dtype=torch.bfloat16, bf16=True)}
+    # replicas of one expert compute parts of its tokens, each part rounded to bf16 before they are
+    # summed (stock: one GEMM, rounded once): a few bf16 ulps apart in gradients of large sums
+    _worker(rank, world, 2, half, dtype=torch.bfloat16, tol=3e-2)
+
+
+def test_parity_in_bf16():
+    """bf16 weights and activations, as GPUs train: output, input and weight gradients (in bf16,
+    as stock keeps them) within bf16 rounding of stock's, every policy, replicas used under skew
+    (assert_close also requires the same dtypes: a slot computing or returning fp32 fails)."""
+    spawn(_bf16_worker, 4)
 
 
 def _overlap_worker(rank, world):
