@@ -244,6 +244,21 @@ def test_expert_tensor_parallelism_is_rejected(extra, got):
         megatron_rails.uninstall()
 
 
+@pytest.mark.parametrize("setting, value, words", [
+    ("overlap_moe_expert_parallel_comm", True, "(--overlap-moe-expert-parallel-comm); turn it off"),
+    ("overlap_dispatch_backward_with_experts_wgrad", True, "(--overlap-dispatch-backward-with-experts-wgrad)"),
+    ("cuda_graph_impl", "full_iteration", "cannot run inside a CUDA graph (cuda_graph_impl=full_iteration)"),
+    ("transformer_impl", "inference_optimized", "cannot run with transformer_impl='inference_optimized'")])
+def test_settings_the_dispatcher_refuses_are_named_before_the_build(setting, value, words):
+    """What the dispatcher would refuse when the model is built, after minutes of start-up, the
+    launcher names first, in the dispatcher's own words."""
+    args = parse(["--moe-balancer", "fsep", "--moe-token-dispatcher-type", "alltoall"])
+    setattr(args, setting, value)  # Megatron-LM's flag of the same name, as its parser stores it
+    with pytest.raises(ConfigError, match=re.escape(words)):
+        install_from_args(args)
+    assert not megatron_rails.megatron.is_installed()
+
+
 def test_default_dispatcher_type_is_rejected():
     """TransformerConfig's default dispatcher is allgather: forgetting the flag is an error, not a no-op."""
     args = add_arguments(megatron_like_parser()).parse_args(["--num-experts", "8", "--moe-balancer", "fsep"])

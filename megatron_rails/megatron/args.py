@@ -125,6 +125,11 @@ def check_megatron_args(args, cfg: PolicyConfig) -> None:
         src = "" if given else ", Megatron's default: --tensor-model-parallel-size"
         raise ConfigError(f"--moe-balancer {cfg.policy} moves whole experts: pass --expert-tensor-parallel-size 1 "
                           f"(got {etp}{src}); expert-parallel groups may span tensor-parallel ranks")
+    from .settings import unsupported  # the dispatcher's own refusals, named before the model is built
+
+    why = unsupported(args, cfg)
+    if why:
+        raise ConfigError(why)
 
 
 def install_from_args(args, *, quiet: bool = False) -> PolicyConfig | None:

@@ -23,10 +23,11 @@ from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 from ..core.policy import PolicyConfig
 from ..runtime.layer import LayerRuntime, PlanMismatchError  # noqa: F401  (PlanMismatchError: part of the API)
 from . import metrics as rails_metrics
-from .compat import cuda_graphs_capture_dispatch, wait_param_gather
+from .compat import wait_param_gather
 from .expert_kinds import expert_kind
 from .fsep_checkpoint import wrap_sharded_state_dict
 from .grad_sync import hook_ddp
+from .settings import unsupported
 
 _installed: Optional[PolicyConfig] = None  # set by megatron_rails.install(), for dispatchers built meanwhile
 
@@ -47,34 +48,13 @@ class RailsTokenDispatcher(MoETokenDispatcher):
         super().__init__(config=config, pg_collection=pg_collection)
         if self.tp_size > 1:
             raise NotImplementedError("megatron-rails supports expert tensor parallel size 1")
-        if getattr(config, "overlap_moe_expert_parallel_comm", False):
-            # that schedule runs dispatch, experts and combine as separate autograd pieces with
-            # another microbatch's in between; the slots' gradient return relies on one graph
-            raise NotImplementedError("megatron-rails does not support overlap_moe_expert_parallel_comm "
-                                      "(--overlap-moe-expert-parallel-comm); turn it off to use the rails "
-                                      "dispatcher")
-        if getattr(config, "overlap_dispatch_backward_with_experts_wgrad", False):  # 0.19
-            # it defers the experts' weight gradients (Transformer Engine's delay_wgrad_compute) and
-            # computes them from a node of its own at the dispatch's backward: slots computed with
-            # borrowed weights would not be among them
-            raise NotImplementedError("megatron-rails does not support overlap_dispatch_backward_with_experts_wgrad "
-                                      "(--overlap-dispatch-backward-with-experts-wgrad): it defers the experts' "
-                                      "weight gradients, which the slots' borrowed weights would miss; turn it off")
-        captured = cuda_graphs_capture_dispatch(config)
-        if captured:
-            # the dispatcher gathers counts and plans on the host every step: nothing a graph replays
-            raise NotImplementedError(f"megatron-rails cannot run inside a CUDA graph ({captured}): capture "
-                                      "attn, mlp or moe_router only, or turn CUDA graphs off")
         self.num_local_experts = num_local_experts
         self.local_expert_indices = list(local_expert_indices)
         self.num_experts = config.num_moe_experts
         self.pcfg = policy if policy is not None else installed_policy()
-        if self.pcfg.sharded and getattr(config, "transformer_impl", None) == "inference_optimized":  # 0.19
-            # in inference that MoELayer swaps in its own dispatcher, which runs the stock experts:
-            # under the sharded layout those hold no weights (only placeholders beside the shards)
-            raise NotImplementedError(f"megatron-rails policy {self.pcfg.policy} (fsep shards) cannot run with "
-                                      "transformer_impl='inference_optimized': its inference dispatcher computes "
-                                      "the stock experts, which hold no weights under fsep; use another policy")
+        why = unsupported(config, self.pcfg)
+        if why:
+            raise NotImplementedError(why)
         if self.pcfg.policy != "none" and getattr(config, "moe_pad_expert_input_to_capacity", False):
             warnings.warn(f"megatron-rails: moe_pad_expert_input_to_capacity gives every expert exactly its "
                           f"capacity, so there is nothing for policy {self.pcfg.policy} to balance and it only "
