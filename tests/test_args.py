@@ -259,6 +259,20 @@ def test_settings_the_dispatcher_refuses_are_named_before_the_build(setting, val
     assert not megatron_rails.megatron.is_installed()
 
 
+def test_settings_the_dispatcher_serves_install():
+    """The same check lets through what the dispatcher serves, with values as Megatron-LM stores
+    them: CUDA graphs over attention only, per-layer inference graphs, the flags off."""
+    args = parse(["--moe-balancer", "fsep", "--moe-token-dispatcher-type", "alltoall"])
+    args.cuda_graph_impl, args.cuda_graph_scope, args.cuda_graph_modules = "local", ["attn"], ["attn"]
+    args.inference_cuda_graph_scope = "layer"
+    args.overlap_moe_expert_parallel_comm = args.overlap_dispatch_backward_with_experts_wgrad = False
+    args.transformer_impl = "transformer_engine"
+    try:
+        assert install_from_args(args, quiet=True).policy == "fsep"
+    finally:
+        megatron_rails.uninstall()
+
+
 def test_default_dispatcher_type_is_rejected():
     """TransformerConfig's default dispatcher is allgather: forgetting the flag is an error, not a no-op."""
     args = add_arguments(megatron_like_parser()).parse_args(["--num-experts", "8", "--moe-balancer", "fsep"])

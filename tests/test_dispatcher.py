@@ -238,6 +238,15 @@ def test_padding_to_capacity_warns_that_there_is_nothing_to_balance():
     spawn(_padding_worker, 1)
 
 
+def _inference_scope(name):
+    """0.19's InferenceCudaGraphScope member of that name, as its config holds it; the name on 0.16."""
+    try:
+        from megatron.core.transformer.enums import InferenceCudaGraphScope
+    except ImportError:
+        return name
+    return None if name is None else InferenceCudaGraphScope[name]
+
+
 def _cuda_graph_worker(rank, world):
     import megatron_rails
 
@@ -252,9 +261,10 @@ def _cuda_graph_worker(rank, world):
             cfg = moe_config(world, "alltoall")
             cfg.cuda_graph_impl = impl  # set after validation, which wants CUDA and Transformer Engine
             setattr(cfg, regions, captured)
-            cfg.inference_cuda_graph_scope = inference  # on 0.16 a name it never reads
+            cfg.inference_cuda_graph_scope = _inference_scope(inference)  # on 0.16 a name it never reads
             if refused:
-                with pytest.raises(NotImplementedError, match=f"CUDA graph .*cuda_graph_impl={impl}"):
+                fix = "set inference_cuda_graph_scope to layer" if inference == "block" else "capture attn"
+                with pytest.raises(NotImplementedError, match=f"CUDA graph .*cuda_graph_impl={impl}.*: {fix}"):
                     build_moe_layer(cfg)
             else:
                 build_moe_layer(cfg)

@@ -28,11 +28,12 @@ def unsupported(config, policy) -> Optional[str]:
     captured = cuda_graphs_capture_dispatch(config)
     if captured:
         # the dispatcher gathers counts and plans on the host every step: nothing a graph replays
-        return (f"megatron-rails cannot run inside a CUDA graph ({captured}): capture attn, mlp or moe_router "
-                "only, or turn CUDA graphs off")
-    if policy.sharded and getattr(config, "transformer_impl", None) == "inference_optimized":  # 0.19
-        # in inference that MoELayer swaps in its own dispatcher, which runs the stock experts:
-        # under the sharded layout those hold no weights (only placeholders beside the shards)
+        fix = ("set inference_cuda_graph_scope to layer" if "inference_cuda_graph_scope" in captured
+               else "capture attn, mlp or moe_router only")
+        return f"megatron-rails cannot run inside a CUDA graph ({captured}): {fix}, or turn CUDA graphs off"
+    if policy.sharded and getattr(config, "transformer_impl", None) == "inference_optimized":
+        # a value megatron-core 0.19 introduced: in inference its MoELayer swaps in its own dispatcher,
+        # which runs the stock experts; under the sharded layout those hold no weights (placeholders)
         return (f"megatron-rails policy {policy.policy} (fsep shards) cannot run with "
                 "transformer_impl='inference_optimized': its inference dispatcher computes the stock experts, "
                 "which hold no weights under fsep; use another policy")
