@@ -53,7 +53,7 @@ def _grads(layer):
     return grads
 
 
-def _worker(rank, world, routings, variants=VARIANTS, rails_overrides=None, dtype=torch.float32, tol=1e-5):
+def _worker(rank, world, routings, variants=VARIANTS, rails_overrides=None):
     import megatron_rails
 
     for name, overrides in variants.items():
@@ -71,17 +71,17 @@ def _worker(rank, world, routings, variants=VARIANTS, rails_overrides=None, dtyp
                 res = []
                 for layer in (stock, rails):
                     layer.zero_grad(set_to_none=True)
-                    x = x_np.clone().to(dtype).view(-1, 1, H).requires_grad_(True)
+                    x = x_np.clone().view(-1, 1, H).requires_grad_(True)
                     out, _ = layer(x)
                     (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
                     res.append((out.detach(), x.grad.clone(), _grads(layer)))
                 (o1, g1, w1), (o2, g2, w2) = res
                 where = f"{name}, policy {policy}, routing {it}, rank {rank}"
-                torch.testing.assert_close(o2, o1, rtol=tol, atol=tol, msg=lambda m: f"{where}: output\n{m}")
-                torch.testing.assert_close(g2, g1, rtol=tol, atol=tol, msg=lambda m: f"{where}: input grad\n{m}")
+                torch.testing.assert_close(o2, o1, rtol=1e-5, atol=1e-5, msg=lambda m: f"{where}: output\n{m}")
+                torch.testing.assert_close(g2, g1, rtol=1e-5, atol=1e-5, msg=lambda m: f"{where}: input grad\n{m}")
                 assert set(w2) == set(w1), where
                 for n in w1:
-                    torch.testing.assert_close(w2[n], w1[n], rtol=tol, atol=tol,
+                    torch.testing.assert_close(w2[n], w1[n], rtol=1e-5, atol=1e-5,
                                                msg=lambda m: f"{where}: grad of {n}\n{m}")
             # the parity covered replicas (summed over ranks): every policy but none places some under
             # the skewed routing; at top-k = E, and padded to capacity, the counts are even and an
@@ -98,11 +98,11 @@ def test_parity_across_moe_settings():
     spawn(_worker, 4, 2)  # per setting and policy: one near-uniform routing, one skewed
 
 
-def _errors(layer, ref, x_np, bf16: bool) -> dict:
-    """Per tensor (output, input grad, every parameter grad): `layer`'s result on inputs x_np, in
-    float32, and ref's (the float32 layer with the same weights)."""
+def _beside_float32(layer, ref, x_np) -> dict:
+    """Per tensor (output, input grad, every parameter grad): the bf16 `layer`'s result on inputs
+    x_np [10, H], as float32, and ref's (the float32 layer with the same weights)."""
     out = {}
-    for lay, dtype in ((layer, torch.bfloat16 if bf16 else torch.float32), (ref, torch.float32)):
+    for lay, dtype in ((layer, torch.bfloat16), (ref, torch.float32)):
         lay.zero_grad(set_to_none=True)
         x = x_np.clone().to(dtype).view(-1, 1, H).requires_grad_(True)
         y, _ = lay(x)
@@ -128,7 +128,7 @@ def _bf16_worker(rank, world):
         rng = np.random.default_rng(5 + rank)
         for it in range(2):
             x_np = torch.tensor(rng.standard_normal((10, H)) + (3.0 if it % 2 else 0.0), dtype=torch.float32)
-            ours, theirs = _errors(rails, ref, x_np, True), _errors(stock, ref, x_np, True)
+            ours, theirs = _beside_float32(rails, ref, x_np), _beside_float32(stock, ref, x_np)
             for name, (got, want) in ours.items():
                 # rails' distance from the float32 result within twice stock's own bf16 distance
                 # (replicas round partial sums that stock's one GEMM rounds once), plus a quarter
