@@ -83,3 +83,11 @@ def build_moe_layer(cfg):
     from megatron_rails.megatron.compat import build_moe_layer as build
 
     return build(cfg)
+
+
+def replicas_used(records) -> float:
+    """How many replicas / slots the dispatcher's metric `records` (dicts) used, summed over every
+    rank of the default group (one rank's experts may get no tokens): a collective."""
+    used = torch.tensor([float(sum(r["replicas_used"] for r in records))])
+    dist.all_reduce(used)
+    return used.item()

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from moe_harness import build_moe_layer, moe_config, spawn
+from moe_harness import build_moe_layer, moe_config, replicas_used, spawn
 
 POLICIES = ["none", "eplb", "ultraep", "lp", "fsep"]
 H = 16
@@ -68,48 +68,35 @@ def _worker(rank, world, routings, variants=VARIANTS, rails_overrides=None):
             for it in range(routings):
                 # every other routing pushes the inputs along one direction: skewed routing
                 x_np = torch.tensor(rng.standard_normal((10, H)) + (3.0 if it % 2 else 0.0), dtype=torch.float32)
-                res = []
-                for layer in (stock, rails):
-                    layer.zero_grad(set_to_none=True)
-                    x = x_np.clone().view(-1, 1, H).requires_grad_(True)
-                    out, _ = layer(x)
-                    (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
-                    res.append((out.detach(), x.grad.clone(), _grads(layer)))
-                (o1, g1, w1), (o2, g2, w2) = res
+                want, got = _run(stock, x_np), _run(rails, x_np)
                 where = f"{name}, policy {policy}, routing {it}, rank {rank}"
-                torch.testing.assert_close(o2, o1, rtol=1e-5, atol=1e-5, msg=lambda m: f"{where}: output\n{m}")
-                torch.testing.assert_close(g2, g1, rtol=1e-5, atol=1e-5, msg=lambda m: f"{where}: input grad\n{m}")
-                assert set(w2) == set(w1), where
-                for n in w1:
-                    torch.testing.assert_close(w2[n], w1[n], rtol=1e-5, atol=1e-5,
-                                               msg=lambda m: f"{where}: grad of {n}\n{m}")
+                assert set(got) == set(want), where
+                for n in want:
+                    torch.testing.assert_close(got[n], want[n], rtol=1e-5, atol=1e-5,
+                                               msg=lambda m: f"{where}: {n}\n{m}")
             # the parity covered replicas (summed over ranks): every policy but none places some under
             # the skewed routing; at top-k = E, and padded to capacity, the counts are even and an
             # owner layout stays as is
-            used = torch.tensor([float(sum(r["replicas_used"] for r in rails.token_dispatcher.metrics))])
-            torch.distributed.all_reduce(used)
+            used = replicas_used(rails.token_dispatcher.metrics)
             even = (rails.config.moe_router_topk == rails.config.num_moe_experts
                     or rails.config.moe_pad_expert_input_to_capacity)
             if policy != "none" and (policy == "fsep" or not even):
-                assert used.item() > 0, f"{name}, policy {policy}: no replica used in {routings} routings"
+                assert used > 0, f"{name}, policy {policy}: no replica used in {routings} routings"
 
 
 def test_parity_across_moe_settings():
     spawn(_worker, 4, 2)  # per setting and policy: one near-uniform routing, one skewed
 
 
-def _beside_float32(layer, ref, x_np) -> dict:
-    """Per tensor (output, input grad, every parameter grad): the bf16 `layer`'s result on inputs
-    x_np [10, H], as float32, and ref's (the float32 layer with the same weights)."""
-    out = {}
-    for lay, dtype in ((layer, torch.bfloat16), (ref, torch.float32)):
-        lay.zero_grad(set_to_none=True)
-        x = x_np.clone().to(dtype).view(-1, 1, H).requires_grad_(True)
-        y, _ = lay(x)
-        (y.float() * torch.linspace(-1, 1, y.numel()).view_as(y)).sum().backward()
-        out[lay is ref] = {"output": y.detach().float(), "input grad": x.grad.float(),
-                           **{n: g.float() for n, g in _grads(lay).items()}}
-    return {n: (out[False][n], out[True][n]) for n in out[True]}
+def _run(layer, x_np, dtype=torch.float32) -> dict:
+    """One forward and backward of `layer` on x_np [10, H] (float32) taken as `dtype`: the output,
+    the input gradient and every parameter gradient (stock layout), as float32."""
+    layer.zero_grad(set_to_none=True)
+    x = x_np.clone().to(dtype).view(-1, 1, H).requires_grad_(True)
+    y, _ = layer(x)
+    (y.float() * torch.linspace(-1, 1, y.numel()).view_as(y)).sum().backward()
+    return {"output": y.detach().float(), "input grad": x.grad.float(),
+            **{f"grad of {n}": g.float() for n, g in _grads(layer).items()}}
 
 
 def _bf16_worker(rank, world):
@@ -128,18 +115,17 @@ def _bf16_worker(rank, world):
         rng = np.random.default_rng(5 + rank)
         for it in range(2):
             x_np = torch.tensor(rng.standard_normal((10, H)) + (3.0 if it % 2 else 0.0), dtype=torch.float32)
-            ours, theirs = _beside_float32(rails, ref, x_np), _beside_float32(stock, ref, x_np)
-            for name, (got, want) in ours.items():
+            want = _run(ref, x_np)
+            ours, theirs = _run(rails, x_np, torch.bfloat16), _run(stock, x_np, torch.bfloat16)
+            for name, got in ours.items():
                 # rails' distance from the float32 result within twice stock's own bf16 distance
                 # (replicas round partial sums that stock's one GEMM rounds once), plus a quarter
                 # of a bf16 ulp of the tensor's largest value
-                err, err_stock = (got - want).norm(), (theirs[name][0] - want).norm()
-                slack = want.abs().max() * 2.0 ** -10
+                err, err_stock = (got - want[name]).norm(), (theirs[name] - want[name]).norm()
+                slack = want[name].abs().max() * 2.0 ** -10
                 assert err <= 2 * err_stock + slack, \
                     f"{policy}, routing {it}, rank {rank}: {name}: |rails - fp32| {err:.3g} vs stock's {err_stock:.3g}"
-        used = torch.tensor([float(sum(r["replicas_used"] for r in rails.token_dispatcher.metrics))])
-        torch.distributed.all_reduce(used)
-        assert policy == "none" or used.item() > 0, policy
+        assert policy == "none" or replicas_used(rails.token_dispatcher.metrics) > 0, policy
 
 
 def test_parity_in_bf16():

@@ -1,7 +1,8 @@
 """Per-expert access to Megatron-Core's expert modules: one adapter per module kind.
 
 The expert stores (runtime/experts.py, runtime/sharded.py) move single experts around as flat vectors
-and compute replica / FSEP slots with borrowed weights; what an "expert" is inside each Megatron-Core module lives here:
+and compute replica / FSEP slots with borrowed weights; what an "expert" is inside each Megatron-Core
+module lives here:
 
 | kind            | module (megatron-core)                      | expert i's tensors                              |
 |-----------------|---------------------------------------------|-------------------------------------------------|

@@ -1,9 +1,9 @@
 """What the expert stores need to know about an expert module: the interface an adapter implements.
 
 The stores (runtime/experts.py, runtime/sharded.py) move single experts around as flat vectors and
-compute replica / FSEP slots with borrowed weights; they never look inside a module. An adapter (the Megatron ones live in
-megatron/expert_kinds.py) says which views of the module's parameters make up local expert i, and
-computes one expert on its tokens.
+compute replica / FSEP slots with borrowed weights; they never look inside a module. An adapter
+(the Megatron ones live in megatron/expert_kinds.py) says which views of the module's parameters
+make up local expert i, and computes one expert on its tokens.
 
 Shape letters (docs/architecture.md): N tokens of one slot, H hidden size.
 """
