@@ -109,8 +109,10 @@ class DedupExchange:
     reverse, with the entry's sums) and the tables they use."""
 
     def __init__(self, plan, so: SendOrder, units: NodeUnits, units_DV: np.ndarray, me: int, G: int,
-                 group, comm):
-        self.group, self.comm, self.me, self.G = group, comm, me, G
+                 group, comm, width: int):
+        """width: the most pairs a token has on any EP rank (host int): it bounds the pairs of any
+        unit this rank sums as an entry."""
+        self.group, self.comm, self.me, self.G, self.width = group, comm, me, G, int(width)
         self.node_group = node_group(group, G)
         self.units = units
         send_DD = plan.send_DD
@@ -221,6 +223,6 @@ class DedupExchange:
         dev = y_QH.device
         y2 = y_QH.index_select(0, torch.from_numpy(self.q_of_stage2).to(dev))
         y_fan = all_to_all(y2, self.fan_recv, self.fan_send, self.node_group)
-        sums_UH = ordered_sum(y_fan, self.fan_unit, self.fan_level, self.unit_rows.size)
+        sums_UH = ordered_sum(y_fan, self.fan_unit, self.fan_level, self.unit_rows.size, self.width)
         y1 = torch.cat([y_QH, sums_UH]).index_select(0, torch.from_numpy(self.stage1_back).to(dev))
         return self.comm.exchange(y1, self.rows_recv, self.rows_send, self.rows_DD.T)
