@@ -7,9 +7,10 @@ import torch
 
 from megatron_rails.bench.local import bench_local
 from megatron_rails.core.policy import PolicyConfig
-from megatron_rails.runtime import local as local_mod
-from megatron_rails.runtime.local import (MAX_RUNS, Runs, order_pairs, order_pairs_on_device, pairs_per_token_range,
-                                          receive_order, rows, rows_back, segment_order, sum_pairs, token_rows)
+from megatron_rails.runtime import receive as receive_mod
+from megatron_rails.runtime.local import order_pairs, order_pairs_on_device, pairs_per_token_range, sum_pairs, token_rows
+from megatron_rails.runtime.receive import MAX_RUNS, Runs, receive_order, rows, rows_back
+from megatron_rails.runtime.staging import segment_order
 from megatron_rails.core.planners import make_planner
 
 POLICIES = ["none", "eplb", "ultraep", "lp", "fsep"]
@@ -103,7 +104,7 @@ def same_order(a, b) -> bool:
 @pytest.mark.parametrize("policy", POLICIES)
 def test_receive_order_groups_rows_by_slot(policy, max_runs, monkeypatch):
     """By runs (split + cat) or, beyond MAX_RUNS runs, by a permutation: the same grouping."""
-    monkeypatch.setattr(local_mod, "MAX_RUNS", max_runs)
+    monkeypatch.setattr(receive_mod, "MAX_RUNS", max_runs)
     rng = np.random.default_rng(7 + POLICIES.index(policy))
     for _ in range(40):
         rmap, _ = _routing(rng, int(rng.integers(1, 40)), int(rng.integers(0, 3)))
@@ -140,7 +141,7 @@ def test_compiled_host_tables_match_numpy(max_runs, monkeypatch):
 
     if _RANK_TABLES is None:
         pytest.skip("core/_route_c.c is not built here (or MEGATRON_RAILS_PURE_PYTHON is set)")
-    monkeypatch.setattr(local_mod, "MAX_RUNS", max_runs)
+    monkeypatch.setattr(receive_mod, "MAX_RUNS", max_runs)
     rng = np.random.default_rng(21)
     for policy in POLICIES:
         for it in range(30):
@@ -413,7 +414,8 @@ import os, sys
 import numpy as np, torch
 sys.path.insert(0, {tests!r})
 from test_dispatch_local import _routing, _plan, POLICIES, D, E
-from megatron_rails.runtime.local import order_pairs, order_pairs_triton, pairs_per_token_range, receive_order
+from megatron_rails.runtime.local import order_pairs, order_pairs_triton, pairs_per_token_range
+from megatron_rails.runtime.receive import receive_order
 from test_dispatch_local import same_order as same
 cases = 0
 for policy in POLICIES:
@@ -508,7 +510,7 @@ def test_device_local_work_reads_no_device_data(policy, max_runs, monkeypatch):
     from megatron_rails.runtime.local import send_order
 
     monkeypatch.setenv("MEGATRON_RAILS_SEND_ORDER", "device")
-    monkeypatch.setattr(local_mod, "MAX_RUNS", max_runs)  # 0: the regrouping by a permutation tensor
+    monkeypatch.setattr(receive_mod, "MAX_RUNS", max_runs)  # 0: the regrouping by a permutation tensor
     meta, H = torch.device("meta"), 6
     rng = np.random.default_rng(31 + POLICIES.index(policy))
     for k in (2, 0, E):  # top-2; a varying number of pairs per token (no by-token table); every expert

@@ -28,8 +28,9 @@ import torch
 from ..core.errors import InputError
 from ..core.outfile import summary_stream, write_text
 from ..core.policy import PolicyConfig
-from ..runtime.local import (STAGING_ENV, pairs_per_token_range, rows, rows_back, send_order,
-                             send_order_path, sum_pairs, token_rows)
+from ..runtime.local import pairs_per_token_range, send_order, send_order_path, sum_pairs, token_rows
+from ..runtime.receive import rows, rows_back
+from ..runtime.staging import STAGING_ENV
 from ..core.planners import make_planner
 
 # Mixtral 8x7B / 8x22B: hidden 4096 / 6144, 8 experts top-2; a 4096-token sequence per rank, EP 8

@@ -51,7 +51,8 @@ from .experts import ExpertStore
 from .sharded import ShardedExpertStore
 from .faults import maybe_fault
 from .dedup import DedupExchange, fanout_DD
-from .local import SendOrder, pairs_per_token_range, rows, rows_back, send_order, sum_pairs, token_rows
+from .local import SendOrder, pairs_per_token_range, send_order, sum_pairs, token_rows
+from .receive import rows, rows_back
 from .units import NodeUnits, node_units
 
 METRICS_KEPT = 10_000  # per-layer metric records kept (one per microbatch step)

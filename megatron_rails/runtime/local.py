@@ -1,12 +1,11 @@
 """A rank's local token work in one MoE layer step, given the plan: which token-expert pairs go
-where (send order), how received rows group by slot (receive order) and how each token's expert
-outputs come back together (combine). Plain torch ops are the reference and CI's path; on CUDA
-two Triton kernels (runtime/local_triton.py) make the send order and the combine's sum. The plan's
-tables are numpy on the host, the Triton path's compiled where built (core/_route_c.c).
+where (send order) and how each token's expert outputs come back together (combine); the received
+rows' grouping by slot is runtime/receive.py's. Plain torch ops are the reference and CI's path;
+on CUDA two Triton kernels (runtime/local_triton.py) make the send order and the combine's sum.
+The plan's tables are numpy on the host, the Triton path's compiled where built (core/_route_c.c).
 
 Shape letters: docs/architecture.md (glossary). Here T local tokens, E experts, D EP ranks, S slots
-per rank, P token-expert pairs this rank sends, Q pairs it receives, H hidden size, N rows of one
-permutation, M route entries.
+per rank, P token-expert pairs this rank sends, H hidden size, M route entries.
 """
 from __future__ import annotations
 
@@ -20,32 +19,8 @@ import numpy as np
 import torch
 
 from ..core.compiled import compiled
-
-STAGING_ENV = "MEGATRON_RAILS_H2D"  # pinned (default) or pageable: how per-plan tables reach a GPU
-
-
-def _host_rows(n: int, device, rows: int = 2) -> torch.Tensor:
-    """An int64 [rows, n] host buffer for per-plan rows bound for `device`: filled through .numpy(),
-    then sent by one `.to(device, non_blocking=True)`. Pinned for CUDA, so that copy does not wait
-    for the device (the caching host allocator keeps the block until the copy is done);
-    $MEGATRON_RAILS_H2D=pageable stages them through pageable memory instead (the driver copies
-    small pageable buffers to its own staging memory and returns; bench local compares the two)."""
-    how = os.environ.get(STAGING_ENV, "pinned")
-    if how not in ("pinned", "pageable"):
-        raise ValueError(f"{STAGING_ENV}={how!r}: expected pinned or pageable")
-    pin = torch.device(device).type == "cuda" and how == "pinned"
-    return torch.empty((rows, n), dtype=torch.int64, pin_memory=pin)
-
-
-def permutation_and_inverse(order_N: np.ndarray, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """A permutation (numpy) and its inverse as int64 tensors on `device`, in one host-to-device copy
-    (on CUDA from pinned memory, not waiting for the device)."""
-    both = _host_rows(order_N.size, device)
-    both_np = both.numpy()
-    both_np[0] = order_N
-    both_np[1, order_N] = np.arange(order_N.size)
-    order_t, inverse_t = both.to(device, non_blocking=True).unbind(0)
-    return order_t, inverse_t
+from .receive import Runs, grouping, receive_order, receive_order_host
+from .staging import host_rows, permutation_and_inverse, segment_order
 
 
 @dataclass
@@ -84,14 +59,6 @@ class _RunsOfPairs:
 
     def expand(self, what: str) -> np.ndarray:
         return np.repeat(self.dest_M if what == "dest" else self.slot_M, self.n_M)
-
-
-def segment_order(lengths: np.ndarray, seg_order: np.ndarray) -> np.ndarray:
-    """Positions of a stream cut into consecutive segments of `lengths`, the segments taken in
-    `seg_order` (each one's positions ascending): a permutation, built without sorting the stream."""
-    starts = np.cumsum(lengths) - lengths
-    L, S = lengths[seg_order], starts[seg_order]
-    return np.repeat(S - (np.cumsum(L) - L), L) + np.arange(int(L.sum()), dtype=np.int64)
 
 
 def pairs_per_token_range(routing_map: torch.Tensor) -> torch.Tensor:
@@ -232,7 +199,7 @@ def order_pairs_on_device(plan, me: int, routing_map: torch.Tensor, probs: torch
     if P == 0:
         none = torch.zeros(0, dtype=torch.int64, device=dev)
         return _send_order(plan, me, runs_of_me, none, routing_map, probs, uniform)
-    table = _host_rows(n_M.size, dev)
+    table = host_rows(n_M.size, dev)
     end_M, shift_M = table.numpy()
     np.cumsum(n_M, out=end_M)  # run ends in the stream (exclusive)
     shift_M[runs] = np.cumsum(n_M[runs]) - n_M[runs]  # send start of every run ...
@@ -300,7 +267,7 @@ def _host_tables(plan, me: int, E: int, dev, receive: bool) -> _HostTables:
     p = plan.placement
     ptr, rep_M, tok_M = plan.route
     D, S, M, Mt = p.num_ranks, p.slots_per_rank, int(ptr[me + 1] - ptr[me]), rep_M.size
-    staged = _host_rows(E + 1 + 3 * M, dev, rows=1)[0]
+    staged = host_rows(E + 1 + 3 * M, dev, rows=1)[0]
     out = np.empty(3 * M + D + S + 2 * Mt, dtype=np.int64)
     a, b, c = 3 * M, 3 * M + D, 3 * M + D + S
     runs_max, n_recv, grouped = _RANK_TABLES(ptr, rep_M, tok_M, p.replica_rank_R, p.replica_slot_R,
@@ -308,7 +275,7 @@ def _host_tables(plan, me: int, E: int, dev, receive: bool) -> _HostTables:
                                              out[b:c], out[c:c + Mt], out[c + Mt:])
     order = None
     if receive and not grouped:
-        order = _grouping(out[c:c + n_recv], out[c + Mt:c + Mt + n_recv])
+        order = grouping(out[c:c + n_recv], out[c + Mt:c + Mt + n_recv])
     send_D = out[a:b].tolist()
     return _HostTables(staged, M, runs_max, sum(send_D), send_D, _RunsOfPairs(out[:M], out[M:2 * M], out[2 * M:a]),
                        (order, out[b:c]) if receive else None)
@@ -318,7 +285,7 @@ def _host_tables_numpy(plan, me: int, E: int, dev, receive: bool) -> _HostTables
     """_host_tables in numpy (where the compiled tables are not built): the definition."""
     runs, n_M, dest, slot, expert_M = _runs(plan, me)
     M = n_M.size
-    staged = _host_rows(E + 1 + 3 * M, dev, rows=1)[0]
+    staged = host_rows(E + 1 + 3 * M, dev, rows=1)[0]
     first_E, lo_M, hi_M, base_M = np.split(staged.numpy(), [E + 1, E + 1 + M, E + 1 + 2 * M])
     first_E[:] = np.searchsorted(expert_M, np.arange(E + 1))  # the row is in (expert, rank) order
     end_M = np.cumsum(n_M)
@@ -394,201 +361,6 @@ class _TokenRows(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_P):
         return _gather_sum(grad_P, ctx.by_token, ctx.k), None, None, None
-
-
-MAX_RUNS = 256  # received runs regrouped by split + cat up to this many; beyond, by an index gather
-
-
-@dataclass(frozen=True)
-class Runs:
-    """A reordering of rows by whole runs: the rows cut into consecutive runs of `sizes` (in input
-    order), then taken in the order `take` (indices into sizes). Megatron-Core's sort_chunks_by_idxs
-    reorders its received chunks the same way: one split, one concatenation, no index tensor."""
-    sizes: tuple
-    take: tuple
-
-    def inverse(self) -> "Runs":
-        """The reordering that undoes this one (made once: dispatch, regroup's backward and combine
-        all ask for it)."""
-        inv = self.__dict__.get("_inverse")
-        if inv is None:
-            back = [0] * len(self.take)
-            for j, i in enumerate(self.take):
-                back[i] = j
-            inv = Runs(tuple(self.sizes[i] for i in self.take), tuple(back))
-            inv.__dict__["_inverse"] = self
-            self.__dict__["_inverse"] = inv
-        return inv
-
-    def apply(self, x: torch.Tensor) -> torch.Tensor:
-        """x [N, ...] (N = sum(sizes)) reordered; no autograd of its own (see `rows`)."""
-        chunks = x.split(self.sizes)
-        return torch.cat([chunks[i] for i in self.take])
-
-
-def receive_order_host(plan, me: int) -> tuple:
-    """The rows this rank receives arrive source-major, slot-minor. Returns (order, per_slot): how
-    to group them by slot, stable within a slot (Runs: one run per (source, slot), up to MAX_RUNS
-    of them; beyond, a permutation int64 [Q]; None where the rows already arrive grouped), and the
-    rows per slot (int64 [S])."""
-    p = plan.placement
-    ptr, rep_M, tok_M = plan.route
-    mine = np.flatnonzero(p.replica_rank_R[rep_M] == me)  # route entries into this rank: its runs
-    slot_m = p.replica_slot_R[rep_M[mine]]
-    per_slot = np.bincount(slot_m, weights=tok_M[mine], minlength=p.slots_per_rank).astype(np.int64)
-    # the runs arrive by source (the route is source-major), slot-minor; one run per (source, slot)
-    src_m = np.searchsorted(ptr, mine, side="right") - 1
-    arrive = np.argsort(src_m * p.slots_per_rank + slot_m, kind="stable")
-    if (np.diff(slot_m[arrive]) >= 0).all():  # the rows already arrive grouped by slot
-        return None, per_slot
-    # the received runs taken slot-major (source order kept within a slot)
-    return _grouping(tok_M[mine][arrive], np.argsort(slot_m[arrive], kind="stable")), per_slot
-
-
-def _grouping(sizes: np.ndarray, take: np.ndarray):
-    """Received runs (rows int64 [n] in arrival order) taken in the order `take`: Runs up to
-    MAX_RUNS of them, else the permutation of rows (int64 [Q])."""
-    if sizes.size <= MAX_RUNS:
-        return Runs(tuple(sizes.tolist()), tuple(take.tolist()))
-    return segment_order(sizes, take)
-
-
-def receive_order(plan, me: int, device) -> tuple:
-    """receive_order_host's reordering and its inverse, for `rows` and `rows_back`: Runs, or int64
-    tensors on `device` (a permutation: many runs); both None where the rows already arrive
-    grouped. Then the rows per slot."""
-    order, per_slot = receive_order_host(plan, me)
-    if order is None:
-        return None, None, per_slot
-    if isinstance(order, Runs):
-        return order, order.inverse(), per_slot
-    return (*permutation_and_inverse(order, device), per_slot)
-
-
-def rows(x: torch.Tensor, index, inverse=None) -> torch.Tensor:
-    """x reordered by index: Runs, or a permutation tensor (None: as is). A permutation's backward is
-    a gather by its inverse where that is given (else a scatter-add into zeros); Runs' the inverse
-    Runs."""
-    if index is None:
-        return x
-    grad = x.requires_grad and torch.is_grad_enabled()
-    if isinstance(index, Runs):
-        return _TakeRuns.apply(x, index) if grad else index.apply(x)
-    if not grad:
-        return x.index_select(0, index)  # a row gather (x[index] takes the elementwise indexing kernel)
-    if inverse is None:
-        return x[index]
-    return _PermuteRows.apply(x, index, inverse)
-
-
-class _TakeRuns(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, runs):
-        ctx.runs = runs
-        return runs.apply(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return ctx.runs.inverse().apply(grad), None
-
-
-class _PermuteRows(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, index, inverse):
-        ctx.inverse = inverse
-        return x.index_select(0, index)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad.index_select(0, ctx.inverse), None, None
-
-
-def _words(x: torch.Tensor) -> torch.Tensor:
-    """x [n, H] seen as 8-byte words per row where its layout allows (the same bytes): an indexed
-    row write then moves 8 bytes per element, not 2 (bf16), which is what that kernel's time goes by."""
-    size = x.element_size()
-    # strides, not is_contiguous(): that ignores the row stride of a one- or zero-row slice, which
-    # view() checks
-    if (x.dim() == 2 and size < 8 and x.dtype != torch.bool and x.stride(1) == 1 and (x.shape[1] * size) % 8 == 0
-            and (x.stride(0) * size) % 8 == 0 and (x.storage_offset() * size) % 8 == 0):
-        return x.view(torch.int64)
-    return x
-
-
-def rows_back(parts: list, order) -> torch.Tensor:
-    """The rows of `parts` (each [n_i, H], together the received rows in slot order, same dtype)
-    put back in received order, undoing `rows(x, order)`: for a permutation out[order[j]] =
-    cat(parts)[j] (one indexed write of every row, a gather per part in the backward); for Runs
-    the parts cut at run boundaries and concatenated in received order (one concatenation, one in
-    the backward); order None: the slot order is the received order (no copy where one part holds
-    every row: the result is then a view of that part, not to be written in place). Every part gets
-    a gradient, zero-row ones too (an autograd anchor must run)."""
-    if order is None:
-        if len(parts) == 1:
-            return parts[0]
-        if sum(1 for p in parts if p.shape[0]) > 1:
-            return torch.cat(parts)
-    if isinstance(order, Runs):
-        if any(p.requires_grad for p in parts) and torch.is_grad_enabled():
-            return _RunsBack.apply(order, *parts)
-        return _runs_back(order, parts)
-    return _RowsBack.apply(order, *parts)
-
-
-def _runs_back(runs: Runs, parts) -> torch.Tensor:
-    """cat(parts) reordered by runs.inverse(), without concatenating the parts first: each part is
-    cut into the runs it holds (parts hold whole runs: a part is one or more whole slots)."""
-    inv = runs.inverse()
-    chunks, j = [], 0
-    for p in parts:
-        n, k = p.shape[0], j
-        while n > 0:
-            n -= inv.sizes[k]
-            k += 1
-        if n:
-            raise ValueError(f"rows_back: a part of {p.shape[0]} rows does not end at a run boundary")
-        chunks += p.split(inv.sizes[j:k]) if k > j else []
-        j = k
-    return torch.cat([chunks[i] for i in inv.take])
-
-
-class _RunsBack(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, runs, *parts):
-        ctx.runs, ctx.sizes = runs, [p.shape[0] for p in parts]
-        return _runs_back(runs, parts)
-
-    @staticmethod
-    def backward(ctx, grad):  # slot order again (one concatenation), then every part's rows: views
-        return (None, *ctx.runs.apply(grad).split(ctx.sizes))
-
-
-class _RowsBack(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, order, *parts):
-        ctx.order, ctx.sizes = order, [p.shape[0] for p in parts]
-        if order is None:  # one part holds every row: it is the result (a view, nothing copied)
-            whole = next((p for p in parts if p.shape[0]), parts[0])
-            return whole.view_as(whole)
-        out = parts[0].new_empty((order.numel(), *parts[0].shape[1:]))
-        out_words, start = _words(out), 0
-        for p in parts:
-            p_words = _words(p)
-            dst = out_words if p_words.dtype == out_words.dtype else out
-            dst.index_copy_(0, order[start:start + p.shape[0]], p_words if dst is out_words else p)
-            start += p.shape[0]
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        grads, start = [], 0
-        for n in ctx.sizes:
-            if ctx.order is None:
-                grads.append(grad if n else grad[:0])
-            else:
-                grads.append(grad.index_select(0, ctx.order[start:start + n]))
-            start += n
-        return (None, *grads)
 
 
 SEND_ORDER_ENV = "MEGATRON_RAILS_SEND_ORDER"  # auto, triton, device, host

@@ -16,7 +16,7 @@ from ..core.plan import Placement
 from . import residency
 from .expert_kind import ExpertKind
 from .experts import ExpertStore
-from .local import permutation_and_inverse
+from .staging import permutation_and_inverse
 from .residency import Window
 
 
