@@ -110,8 +110,8 @@ def print_report(summary: dict, policy: str, comm: str, ranks: int, G: int, step
     """The demo's table and notes, fitting the terminal (80 columns when not a terminal)."""
     from ..sim.term import console, note, table
 
-    t = table(f"megatron-rails demo: none vs {policy} + comm {comm} ({ranks} ranks as {ranks // G} virtual "
-              f"node(s), {steps} steps)",
+    # the setup is in the demo's first line; a title wider than the table would wrap mid-phrase
+    t = table(f"none vs {policy}, comm {comm}: {steps} steps",
               ["layer", "max/mean\nstock", f"max/mean\n{policy}", "token\nMB/step", "weight\nMB/step",
                "plan us\np50"])
     for x in summary["layers"]:

@@ -29,8 +29,12 @@ def console(t=None, wide: bool = False):
 
 
 def note(con, text: str) -> None:
-    """A footnote, wrapped at the console's width (no markup: brackets such as nic_in[7,3] stay)."""
-    con.print(text, markup=False, highlight=False)
+    """A footnote, wrapped at the console's width between words, no line ending in a space (no
+    markup: brackets such as nic_in[7,3] stay)."""
+    import textwrap
+
+    lines = textwrap.fill(text, con.width, break_on_hyphens=False, break_long_words=False)
+    con.print(lines, markup=False, highlight=False, soft_wrap=True)
 
 
 class quiet_children:
