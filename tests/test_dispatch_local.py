@@ -537,3 +537,21 @@ def test_device_local_work_reads_no_device_data(policy, max_runs, monkeypatch):
         assert y_TH.shape == (T, H)
         (y_TH.sum() + y_QH.sum()).backward()
         assert x_TH.grad.shape == (T, H) and probs_m.grad.shape == (T, E) and x_QH.grad.shape == x_QH.shape
+
+
+def test_stage_puts_host_tables_on_the_device_in_one_buffer():
+    """staging.stage: every table's values, shape and int64 dtype, as views of one device buffer
+    (one copy), on CPU; on the meta device it only allocates (nothing read back)."""
+    from megatron_rails.runtime.staging import stage
+
+    rng = np.random.default_rng(3)
+    tables = [rng.integers(-5, 10**12, (7,)), np.arange(0), rng.integers(0, 9, (3, 4)).astype(np.int32),
+              np.array([42])]
+    got = stage(tables, torch.device("cpu"))
+    assert [tuple(t.shape) for t in got] == [a.shape for a in tables]
+    for t, a in zip(got, tables):
+        assert t.dtype == torch.int64 and np.array_equal(t.numpy(), a)
+    bases = {t.untyped_storage().data_ptr() for t in got}
+    assert len(bases) == 1, "not views of one buffer"
+    meta = stage(tables, torch.device("meta"))
+    assert all(t.device.type == "meta" and tuple(t.shape) == a.shape for t, a in zip(meta, tables))

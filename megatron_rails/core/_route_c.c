@@ -200,9 +200,9 @@ static PyObject *route_csr(PyObject *self, PyObject *const *args, Py_ssize_t nar
     return PyLong_FromLongLong(M);
 }
 
-/* One rank's tables from the route (runtime/local.py, the Triton send order's host side): what
- * `_runs`, the per-plan table of `order_pairs_triton`, `_assemble`'s split sizes and
- * `receive_order_host` compute, bit-identical (tests/test_route_kernel.py).
+/* One rank's tables from the route (the Triton send order's host side, runtime/local.py; the
+ * receive order, runtime/receive.py): what `_runs`, the per-plan table of `order_pairs_triton`,
+ * `_assemble`'s split sizes and `receive_order_host` compute, bit-identical (tests/test_route_kernel.py).
  *
  * rank_tables(ptr, rep, tok, rep_rank, rep_slot, rep_expert, D, E, S, me,
  *             table, send_runs, send_D, per_slot, recv_size, recv_take) -> (runs_max, n_recv, grouped)

@@ -31,6 +31,7 @@ import torch
 from .comm.base import node_group
 from .comm.direct import all_to_all
 from .local import SendOrder
+from .staging import stage
 from .units import NodeUnits, ordered_sum
 
 META = 3  # per-pair stream columns: unit within its (source, node) message, place in the unit, code
@@ -121,6 +122,10 @@ class DedupExchange:
         self.rows_DD, self.stream_DD = stage1_DD(send_DD, units_DV, G)
         self._source_stream(so, units, S)
         self._receiver_tables(send_DD, units_DV, D)
+        # the receiving side's tables on the device, in one non-blocking copy (no wait for the
+        # kernels queued before)
+        names = ("fan_pos", "first_unit", "fan_src", "unit_rows", "x_order", "p_order", "q_of_stage2", "stage1_back")
+        self.on_dev = dict(zip(names, stage([getattr(self, n) for n in names], so.token_P.device)))
 
     # -- the source side ---------------------------------------------------------------------------
     def _source_stream(self, so: SendOrder, u: NodeUnits, S: int) -> None:
@@ -134,8 +139,8 @@ class DedupExchange:
         self.stream_pos = torch.cat([remote[:lo], pos, remote[lo:]])
         dest_R = np.r_[so.dest_P[:lo], so.dest_P[hi:]]  # the remote pairs, on the host (no device sync)
         node_R = dest_R // self.G
-        first_unit_R = torch.from_numpy(_starts(u.units_V)[node_R]).to(dev)
-        code_R = torch.from_numpy(dest_R % self.G * S + np.r_[so.slot_P[:lo], so.slot_P[hi:]]).to(dev)
+        first_unit_R, code_R = stage([_starts(u.units_V)[node_R],
+                                      dest_R % self.G * S + np.r_[so.slot_P[:lo], so.slot_P[hi:]]], dev)
         meta_R = torch.stack([u.unit_of_R - first_unit_R, u.level_R, code_R], dim=1)[by_unit]
         pad = torch.zeros((hi - lo, META), dtype=torch.int64, device=dev)
         self.meta = torch.cat([meta_R[:lo], pad, meta_R[lo:]])
@@ -197,32 +202,32 @@ class DedupExchange:
         return _OneNode.apply(self._exchange, x_N, probs_S)
 
     def _exchange(self, x_N: torch.Tensor, probs_S: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        dev = x_N.device
+        t = self.on_dev
         x1 = self.comm.exchange(x_N, self.rows_send, self.rows_recv, self.rows_DD)
         p1 = all_to_all(probs_S, self.stream_send, self.stream_recv, self.group)
         meta1 = all_to_all(self.meta, self.stream_send, self.stream_recv, self.group)
-        fan_pos = torch.from_numpy(self.fan_pos).to(dev)
+        fan_pos = t["fan_pos"]
         meta_F = meta1.index_select(0, fan_pos)
-        unit_F = torch.from_numpy(self.first_unit).to(dev) + meta_F[:, 0]
+        unit_F = t["first_unit"] + meta_F[:, 0]
         S = self.slots
         dest_F, slot_F = meta_F[:, 2] // S, meta_F[:, 2] % S
-        src_F = torch.from_numpy(self.fan_src).to(dev)
+        src_F = t["fan_src"]
         # to each node member, by source, slot there, then token (units are in token order)
         order_F = torch.argsort(((dest_F * self.D + src_F) * S + slot_F) * self.unit_span + meta_F[:, 0])
         self.fan_unit, self.fan_level = unit_F[order_F], meta_F[:, 1][order_F]
-        unit_rows = torch.from_numpy(self.unit_rows).to(dev)
+        unit_rows = t["unit_rows"]
         x2 = all_to_all(x1.index_select(0, unit_rows[self.fan_unit]), self.fan_send, self.fan_recv, self.node_group)
         p2 = all_to_all(p1.index_select(0, fan_pos[order_F]), self.fan_send, self.fan_recv, self.node_group)
-        x_Q = torch.cat([x1, x2]).index_select(0, torch.from_numpy(self.x_order).to(dev))
-        probs_Q = torch.cat([p1, p2]).index_select(0, torch.from_numpy(self.p_order).to(dev))
+        x_Q = torch.cat([x1, x2]).index_select(0, t["x_order"])
+        probs_Q = torch.cat([p1, p2]).index_select(0, t["p_order"])
         return x_Q, probs_Q
 
     def give_back(self, y_QH: torch.Tensor) -> torch.Tensor:
         """The way back: [N, H], this rank's stage-1 rows' outputs (same-node pairs' outputs and
         its units' sums from the entry ranks), in its send order."""
-        dev = y_QH.device
-        y2 = y_QH.index_select(0, torch.from_numpy(self.q_of_stage2).to(dev))
+        t = self.on_dev
+        y2 = y_QH.index_select(0, t["q_of_stage2"])
         y_fan = all_to_all(y2, self.fan_recv, self.fan_send, self.node_group)
         sums_UH = ordered_sum(y_fan, self.fan_unit, self.fan_level, self.unit_rows.size, self.width)
-        y1 = torch.cat([y_QH, sums_UH]).index_select(0, torch.from_numpy(self.stage1_back).to(dev))
+        y1 = torch.cat([y_QH, sums_UH]).index_select(0, t["stage1_back"])
         return self.comm.exchange(y1, self.rows_recv, self.rows_send, self.rows_DD.T)

@@ -40,6 +40,7 @@ import torch
 import torch.optim.optimizer as torch_optimizer
 
 from ..core.plan import Placement
+from .staging import stage
 
 # how many no_sync() contexts are open: one count for the process, not per thread, because it is
 # read inside backward passes, whose nodes autograd runs on its own worker thread per CUDA device
@@ -234,7 +235,7 @@ class Window:
                 self.write_row(row, numels, grads)
                 del grads
         if self.acc_NW is not None and self.acc_fresh.any():
-            rows = torch.from_numpy(np.flatnonzero(self.acc_fresh)).to(self.acc_NW.device)
+            (rows,) = stage([np.flatnonzero(self.acc_fresh)], self.acc_NW.device)
             self.acc_NW.index_fill_(self.acc_row_dim, rows, 0)
             self.acc_fresh[:] = False
         return self.acc_NW

@@ -16,7 +16,7 @@ from ..core.plan import Placement
 from . import residency
 from .expert_kind import ExpertKind
 from .experts import ExpertStore
-from .staging import permutation_and_inverse
+from .staging import permutation_and_inverse, stage
 from .residency import Window
 
 
@@ -331,7 +331,7 @@ class _ShardRows:
         if rows_N.size == E and np.array_equal(np.sort(rows_N), np.arange(E)):
             self.rows, self.inverse = permutation_and_inverse(rows_N, device)
         else:
-            self.rows, self.inverse = torch.from_numpy(rows_N.astype(np.int64)).to(device), None
+            (self.rows,), self.inverse = stage([rows_N], device), None
 
     def scatter(self, grad_N: torch.Tensor) -> torch.Tensor:
         """[E, ...]: grad_N's rows summed into the rows they were taken from."""

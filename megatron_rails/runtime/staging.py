@@ -45,3 +45,18 @@ def segment_order(lengths: np.ndarray, seg_order: np.ndarray) -> np.ndarray:
     starts = np.cumsum(lengths) - lengths
     L, S = lengths[seg_order], starts[seg_order]
     return np.repeat(S - (np.cumsum(L) - L), L) + np.arange(int(L.sum()), dtype=np.int64)
+
+
+def stage(arrays: list, device) -> list[torch.Tensor]:
+    """Host integer tables (numpy, any shape) as int64 tensors on `device`, in one host-to-device
+    copy from a host_rows buffer (non-blocking: on CUDA from pinned memory, no wait for the device;
+    a plain `torch.from_numpy(a).to(cuda)` copies from pageable memory and waits for every kernel
+    queued before it). The tensors are views of one device buffer."""
+    sizes = [int(np.size(a)) for a in arrays]
+    buf = host_rows(sum(sizes), device, rows=1)[0]
+    buf_np, at = buf.numpy(), 0
+    for a, n in zip(arrays, sizes):
+        buf_np[at:at + n] = np.ravel(a)
+        at += n
+    on_dev = buf.to(device, non_blocking=True)
+    return [t.view(np.shape(a)) for t, a in zip(on_dev.split(sizes), arrays)]

@@ -21,25 +21,28 @@ import numpy as np
 import torch
 
 from .local import SendOrder
+from .staging import stage
 
 
 def ordered_sum(y_NH: torch.Tensor, group_N: torch.Tensor, level_N: torch.Tensor, groups: int,
                 width: int) -> torch.Tensor:
     """[groups, H]: every group's rows of y_NH [N, H] added in level order, ((y_0 + y_1) + y_2)...;
-    a group without rows gives zeros (-0.0). group_N, level_N: int64 [N] on y's device, (group,
-    level) unique, each group's levels 0, 1, ... below `width` (a host bound, e.g. the most pairs a
-    token has: taking it from level_N would sync a GPU). Each level is one elementwise add over all
+    a group without rows gives zeros. group_N, level_N: int64 [N] on y's device, (group, level)
+    unique, each group's levels 0, 1, ... below `width` (a host bound, e.g. the most pairs a token
+    has: taking it from level_N would sync a GPU). Each level is one elementwise add over all
     groups, so the same rows with the same levels give the same bits on any rank and for any width
-    that bounds them (no atomics, no reduction tree)."""
+    that bounds them (no atomics, no reduction tree; NaN payloads aside)."""
     N, H = y_NH.shape
     # no shortcut for N == 0: the result stays a function of y_NH, so the collective that made
     # y_NH stays in the backward graph on every rank (a rank leaving it out would hang the others)
     W = max(int(width), 1)
-    table_GW = torch.full((groups, W), N, dtype=torch.int64, device=y_NH.device)
+    # a missing level 0 (a group without rows) reads row N, +0.0; a missing later level row N + 1,
+    # -0.0, since x + (-0.0) is x for every non-NaN x (+0.0 would turn a -0.0 sum into +0.0, so a
+    # loose width would change bits)
+    table_GW = torch.full((groups, W), N + 1, dtype=torch.int64, device=y_NH.device)
+    table_GW[:, 0] = N
     table_GW[group_N, level_N] = torch.arange(N, device=y_NH.device)
-    # row N stands for a missing level: -0.0, since x + (-0.0) is x for every x (+0.0 would turn
-    # a -0.0 sum into +0.0, so a loose width would change bits)
-    y_pad = torch.cat([y_NH, y_NH.new_full((1, H), -0.0)])
+    y_pad = torch.cat([y_NH, y_NH.new_zeros((1, H)), y_NH.new_full((1, H), -0.0)])
     out = y_pad[table_GW[:, 0]]
     for w in range(1, W):
         out = out + y_pad[table_GW[:, w]]
@@ -104,22 +107,23 @@ class NodeUnits:
 def node_units(so: SendOrder, me: int, G: int, V: int, T: int, width: int) -> NodeUnits:
     """Group rank `me`'s pairs (so, token_P on its device) into units: EP ranks d on node d // G,
     V nodes; width: the most pairs a token of this rank has (host int). One host sync: the units
-    per node, which the exchange needs as split sizes."""
+    per node, which the exchange needs as split sizes; the host tables go over in non-blocking
+    copies."""
     dev = so.token_P.device
     node = me // G
     node_P = so.dest_P // G
     lo, hi = np.searchsorted(node_P, [node, node + 1])
     P = node_P.size
     remote = np.r_[np.arange(lo, dtype=np.int64), np.arange(hi, P, dtype=np.int64)]
-    remote_R = torch.from_numpy(remote).to(dev)
-    key_R = torch.from_numpy(node_P[remote]).to(dev) * max(T, 1) + so.token_P[remote_R]
+    remote_R, node_R = stage([remote, node_P[remote]], dev)
+    key_R = node_R * max(T, 1) + so.token_P[remote_R]
     unit_key_U, unit_of_R = torch.unique(key_R, sorted=True, return_inverse=True)
     unit_node_U = (unit_key_U // max(T, 1)).cpu().numpy()
     units_V = np.bincount(unit_node_U, minlength=V).astype(np.int64)
     U = int(units_V.sum())
     before = int(units_V[:node].sum())  # units of the nodes before this rank's own
     row_index = np.r_[np.arange(before), U + np.arange(lo, hi), np.arange(before, U)].astype(np.int64)
-    row_index_N = torch.from_numpy(row_index).to(dev)
+    (row_index_N,) = stage([row_index], dev)
     unit_token_U = unit_key_U % max(T, 1)
     row_token_N = torch.cat([unit_token_U, so.token_P]).index_select(0, row_index_N)
     return NodeUnits(node, int(lo), int(hi), remote_R, unit_of_R, levels(unit_of_R, U), unit_token_U, units_V,
