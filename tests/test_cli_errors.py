@@ -31,6 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 MINI = str(ROOT / "configs" / "mini" / "mini-mixtral.yaml")
 POLICY = str(ROOT / "configs" / "policies" / "default.yaml")
 PLAN = ["plan", "--policy", "ultraep"]
+LONG = "{tmp}/" + "c" * 300  # a file name longer than any file system allows (Path.is_dir raises)
 
 # (id, argv with {tmp} for the files of `files`, a word the one error line must contain)
 CASES = [
@@ -190,6 +191,15 @@ CASES = [
     ("plot a full device", ["simulate", "run", MINI, "--plot", "/dev/full"], "'/dev/full': not a regular file"),
     ("plot a device without suffix", ["simulate", "run", MINI, "--plot", "/dev/null"], "'/dev/null': not a regular"),
     ("demo plot a pipe", ["demo", "--plot", "{tmp}/pipe"], "pipe': not a regular file"),
+    # /dev/stdout is a regular file when the stream goes to one (as under pytest): refused by name
+    ("plot stdout", ["simulate", "run", MINI, "--plot", "/dev/stdout"], "'/dev/stdout': not a regular file"),
+    # names no file can have: the option's error, not a traceback or exit 1
+    ("out name too long", ["config", "docs", "--out", LONG + ".md"], "cannot write there (File name too long)"),
+    ("plot name too long", ["simulate", "run", MINI, "--plot", LONG], "--plot '{tmp}/ccc"),
+    ("counts name too long", PLAN + ["--counts", LONG + ".json"], "--counts {tmp}/ccc"),
+    ("skew file name too long", PLAN + ["--skew", f"file:{LONG}.npy"], "--skew {tmp}/ccc"),
+    ("run config name too long", ["simulate", "run", LONG + ".yaml"], "File name too long"),
+    ("override file name too long", ["config", "show", MINI, f"topology={LONG}.yaml"], "topology={tmp}/ccc"),
     ("a2a uniform topk above experts", ["simulate", "a2a", "--nodes", "1", "--traffic", "uniform", "--topk", "9",
                                         "--experts", "8"], "topk=9 exceeds num_experts=8"),
     # an empty path is no file
@@ -347,6 +357,13 @@ def test_topology_reports_every_error(tmp, capsys):
     lines = err.strip().splitlines()
     assert [ln.split(": ")[3] for ln in lines] == ["gpus_per_node", "nic_gbps", "latency_us"], err
     assert all(ln.startswith("megatron-rails simulate a2a: error: ") for ln in lines)
+
+
+def test_config_validate_goes_on_after_a_name_no_file_can_have(tmp, capsys):
+    rc, out, err = run_cli(["config", "validate", LONG.replace("{tmp}", str(tmp)) + ".yaml", "eplb"], capsys)
+    assert rc == 1 and "Traceback" not in out + err, err
+    assert "File name too long" in err and "1 of 2 file(s) invalid" in err, err
+    assert "OK eplb" in out, out
 
 
 def test_config_validate_names_each_problem(tmp, capsys):

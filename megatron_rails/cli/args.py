@@ -151,9 +151,24 @@ def in_file(name: str, what: str):
     return conv
 
 
+def _os_checked(name: str, conv):
+    """conv, with an OSError from looking at the path (a name too long for the file system, a loop
+    of links) as the option's own error instead of a traceback from inside argparse."""
+    def checked(text: str) -> str:
+        try:
+            return conv(text)
+        except OSError as err:
+            raise argparse.ArgumentTypeError(f"{name} {text!r}: cannot write there ({err.strerror})") from None
+    return checked
+
+
 def out_file(name: str):
     """argparse type: a path a result can be written to (its directory exists, it is not a directory,
     and a file can be opened there for writing), checked before the work rather than after it."""
+    return _os_checked(name, _out_file(name))
+
+
+def _out_file(name: str):
     def conv(text: str) -> str:
         p = Path(text)
         if not text.strip():
@@ -213,7 +228,9 @@ def plot_file(name: str):
         suffix = Path(text).suffix.lower()
         if Path(text).is_dir() or not text.strip():
             return check(text)  # its own error: a directory, no name
-        if Path(text).exists() and not Path(text).is_file():
+        # /dev/stdout is a regular file when the stream is redirected to one: go by the name too
+        special = os.path.abspath(text).startswith(("/dev/", "/proc/"))
+        if special or (Path(text).exists() and not Path(text).is_file()):
             raise argparse.ArgumentTypeError(f"{name} {text!r}: not a regular file (a device or a pipe); a "
                                              "figure is written to a file")
         if not suffix:
@@ -222,7 +239,7 @@ def plot_file(name: str):
             raise argparse.ArgumentTypeError(f"{name} {text!r}: a figure's format comes from its suffix; "
                                              f"use one of {', '.join(PLOT_SUFFIXES)}")
         return check(text)
-    return conv
+    return _os_checked(name, conv)
 
 
 def escaped(text: str, values) -> str:

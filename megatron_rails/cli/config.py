@@ -97,8 +97,10 @@ def cmd_validate(args) -> int:
     for path in args.files:
         try:
             obj = _load(path)
-        except ConfigError as err:
+        except (ConfigError, OSError) as err:  # OSError: a name no file can have (too long)
             failed += 1
+            if isinstance(err, OSError):
+                err = ConfigError(f"{path}: {err.strerror or err}")
             # a path with a newline in it cannot split a line
             text = escaped("\n".join(getattr(err, "errors", None) or [str(err)]), [path])
             for line in text.splitlines():

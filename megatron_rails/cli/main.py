@@ -7,6 +7,7 @@ options left at their default)."""
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 import sys
@@ -29,6 +30,7 @@ BENCH_DTYPES = ("bfloat16", "float16", "float32")         # bench/local.py DTYPE
 # the errors a user can fix from the message alone; OSError subclasses: paths given on the command line
 USER_ERRORS = (InputError, PlanError, ChildFailed, FileNotFoundError, IsADirectoryError, NotADirectoryError,
                PermissionError)
+BAD_NAME_ERRNOS = (errno.ENAMETOOLONG, errno.ELOOP)  # OSErrors that say a path itself is wrong
 
 
 def _add_workload_args(p) -> None:
@@ -421,6 +423,25 @@ def _typed_strings(args) -> list[str]:
     return found
 
 
+def _named_by(args, typed: list, filename) -> str:
+    """'--flag ' (or 'KEY=' for an override) of the argument that named `filename`, or '' (a
+    positional argument, a file named inside another, or none of the arguments'); typed: the
+    command line as given."""
+    if args is None or not filename:
+        return ""
+    for k, v in vars(args).items():
+        for x in (v if isinstance(v, list) else [v]):
+            if not isinstance(x, str):
+                continue
+            if x in (filename, f"file:{filename}"):
+                flag = f"--{k.replace('_', '-')}"
+                return f"{flag} " if any(t == flag or t.startswith(flag + "=") for t in typed) else ""
+            key, eq, val = x.partition("=")
+            if eq and val == filename:
+                return f"{key}="
+    return ""
+
+
 def _write_error(err: WriteError, args) -> str:
     """'--out FILE: why': the option that named the file (none for a file named after another)."""
     flag = next((f"--{k.replace('_', '-')} " for k, v in vars(args).items() if k in ("out", "plot")
@@ -462,6 +483,10 @@ def main(argv=None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
     except OSError as err:
+        if err.errno in BAD_NAME_ERRNOS:  # a path no file can have: bad input, naming its option
+            typed = list(sys.argv[1:] if argv is None else argv)
+            report(prog, InputError(f"{_named_by(args, typed, err.filename)}{err.filename}: {err.strerror}"), args)
+            return 2
         # the machine refused a write or read the arguments could not foresee (disk full, a device
         # file): one line, as for bad input, with the operating system's reason
         where = f": {err.filename}" if err.filename else ""
