@@ -222,6 +222,11 @@ CASES = [
     ("simulate run seed with trace", ["simulate", "run", MINI, "--trace", "{tmp}/c.npy", "--seed", "3"],
      "a --trace replays its own counts: drop --seed"),
     ("plan counts all zero", PLAN + ["--counts", "{tmp}/z48.npy"], "every count is 0"),
+    ("plan skew file all zero", PLAN + ["--skew", "file:{tmp}/z48.npy", "--ranks", "4", "--experts", "8"],
+     "z48.npy: every count is 0"),
+    ("simulate run skew file all zero", ["simulate", "run", MINI, "--skew", "file:{tmp}/z48.npy"], "every count is 0"),
+    ("plan skew file with topk", PLAN + ["--skew", "file:{tmp}/c.npy", "--ranks", "4", "--experts", "8", "--topk", "2"],
+     "so --topk would change nothing"),
     # messages that blame the flag the user gave, in YAML's words
     ("plan default node size", ["plan", "--policy", "fsep", "--ranks", "12"],
      "--ranks-per-node is 8 by default, which must divide the 12 ranks or be >= 12 (one node): pass "

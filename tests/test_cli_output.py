@@ -185,3 +185,16 @@ def test_demo_planners_headers_are_whole():
     head = [ln for ln in out.splitlines() if ln.startswith("┃")][:4]  # the first table's header rows
     words = " ".join(" ".join(c.split()) for ln in head for c in ln.split("┃"))
     assert all(w in words for w in ("max/mean", "before", "after", "bound", "cross-", "node", "tokens", "p99 us")), head
+
+
+def test_numbers_are_never_cut_across_rows():
+    """At 256 nodes the direct exchange's times have 9 characters; at 80 columns the table folds its
+    text columns instead, so every time in the JSON appears whole in the table."""
+    table = run80("simulate", "a2a", "--nodes", "256", "--dedup", "both").stdout
+    check_fits(table)
+    rows = json.loads(run80("simulate", "a2a", "--nodes", "256", "--dedup", "both", "--json").stdout)
+    cells = {c.strip() for ln in table.splitlines() for c in ln.split("│")}
+    for r in rows:
+        for key in ("completion_us", "lower_bound_us", "end_to_end_us"):
+            assert f"{r[key]:.1f}" in cells, (key, r[key], table)
+        assert f"{1 + r['speedup_over_pairs']:.2f}x" in cells, table

@@ -107,10 +107,13 @@ def _plan_ignored_options(args) -> None:
     """Refuse a typed option the plan would not use: the workload's shape beside --counts (the file
     fixes it), a policy option the chosen policy does not read."""
     typed = [k for k in ("topk", "tokens_per_rank", "seed") if k not in args.unset]
-    if args.counts is not None and typed:
+    skew = getattr(args, "skew", None)
+    fixed = (f"--counts {args.counts}" if args.counts is not None else
+             f"--skew {skew}" if isinstance(skew, str) and skew.strip().startswith("file:") else None)
+    if fixed and typed:
         flags = ", ".join(f"--{k.replace('_', '-')}" for k in typed)
         them = "them" if len(typed) > 1 else "it"
-        raise InputError(f"--counts {args.counts} fixes the routing, so {flags} would change nothing (only a "
+        raise InputError(f"{fixed} fixes the routing, so {flags} would change nothing (only a "
                          f"generated --skew workload reads {them}): drop {flags}")
     for key, (users, uses) in PLAN_OPTION_USERS.items():
         if key not in args.unset and not uses(args.policy, args.placement):

@@ -131,7 +131,7 @@ def _print_dedup(head: dict, rows: list[dict], wide: bool) -> None:
     both = len({r["mode"] for r in rows}) > 1
     cols = ["scheme", *(["traffic"] if both else []), *(["inter\nGiB"] if wide else []), "t us", "LB us", "t/LB",
             *(["phased us", "fan-out\nus", "phased\n+fan us", "LB\n+fan us"] if wide else []), "+fan\nus",
-            "vs\npairs", *(["rail\nmax/mean", "hops"] if wide else []), "bottleneck"]
+            "speedup", *(["rail\nmax/mean", "hops"] if wide else []), "bottleneck"]
     t = table(title, cols, left=("scheme", "traffic", "bottleneck"))
     for r in rows:
         t.add_row(r["scheme"], *([r["mode"]] if both else []),
@@ -139,15 +139,15 @@ def _print_dedup(head: dict, rows: list[dict], wide: bool) -> None:
                   f"{r['completion_us']:.1f}", f"{r['lower_bound_us']:.1f}", f"{r['ratio_to_lb']:.3f}",
                   *([f"{r['phased_us']:.1f}", f"{r['fanout_us']:.1f}", f"{r['phased_end_to_end_us']:.1f}",
                      f"{r['lower_bound_end_to_end_us']:.1f}"] if wide else []),
-                  f"{r['end_to_end_us']:.1f}", f"{100 * r['speedup_over_pairs']:+.1f}%",
+                  f"{r['end_to_end_us']:.1f}", f"{1 + r['speedup_over_pairs']:.2f}x",
                   *([f"{r['rail_max_over_mean']:.2f}", str(r["hops"])] if wide else []), r["bottleneck"])
     con = console(t, wide)
     con.print(t)
     note(con, ("inter: bytes crossing nodes; " if wide else "")
               + "t: fluid completion of what crosses first (dedup: each token once per remote node, to the rank "
               "with its local index there; intra-node pairs as before); LB: its lower bound; +fan: t with the "
-              "dedup fan-out inside the receiving nodes over NVLink (pipelined); vs pairs: +fan against the same "
-              "scheme without dedup"
+              "dedup fan-out inside the receiving nodes over NVLink (pipelined); speedup: the same scheme's +fan without "
+              "dedup over this row's (above 1: dedup is faster)"
               + ("; phased: three store-and-forward phases, +fan: and the fan-out as a fourth (fan-out us alone); "
                  "LB +fan: the bound of both stages" if wide else " (--wide: phased times, fan-out alone, hops)"))
 

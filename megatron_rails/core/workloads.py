@@ -554,6 +554,8 @@ def save_counts(path: str | os.PathLike, counts_arr) -> Path:
 @lru_cache(maxsize=8)
 def _load_cached(path: str, mtime_ns: int, size: int) -> np.ndarray:
     arr = load_counts(path)
+    if not arr.any():  # every policy would compare idle ranks (--counts and --trace refuse it alike)
+        raise WorkloadError(f"{path}: every count is 0; there are no tokens to route")
     arr.flags.writeable = False
     return arr
 
@@ -566,7 +568,10 @@ def _file_counts(spec: WorkloadSpec, step: int, layer: int) -> np.ndarray:
     except WorkloadError as err:
         raise WorkloadError(f"{err} (skew {spec.skew!r})") from None
     st = os.stat(path)
-    arr = _load_cached(os.path.abspath(path), st.st_mtime_ns, st.st_size)  # reloads when the file changes
+    try:  # reloads when the file changes
+        arr = _load_cached(os.path.abspath(path), st.st_mtime_ns, st.st_size)
+    except WorkloadError as err:
+        raise WorkloadError(f"{err} (skew {spec.skew!r})") from None
     if arr.shape[-2:] != (spec.num_ranks, spec.num_experts):
         raise WorkloadError(f"{path}: counts are [D={arr.shape[-2]}, E={arr.shape[-1]}], but the workload has "
                             f"{spec.num_ranks} ranks and {spec.num_experts} experts")

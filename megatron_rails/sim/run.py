@@ -79,6 +79,8 @@ class Workload:
 
         try:
             self.spec = WorkloadSpec(s.ep, s.experts, s.topk, s.tokens_per_rank, self.skew, self.seed, s.layers)
+            if self.spec.parsed_skew.kind == "file":  # its shape and contents, before any output
+                self.counts(0, 0)
         except WorkloadError as err:
             raise SimError(str(err)) from None
 

@@ -5,13 +5,17 @@ from __future__ import annotations
 
 def table(title: str, columns: list[str], left: tuple[str, ...] = ()):
     """A rich Table without outer borders or edge padding (every character counts at 80 columns); a
-    header may hold newlines ("busbw\nGB/s") so that it is no wider than its numbers."""
+    header may hold newlines ("busbw\nGB/s") so that it is no wider than its numbers. Where the
+    terminal is too narrow, text columns (`left`) fold; number columns never do (a number cut over
+    two rows reads as two numbers)."""
     from rich import box
     from rich.table import Table
 
     t = Table(title=title, box=box.MINIMAL_HEAVY_HEAD, show_edge=False, pad_edge=False)
     for col in columns:
-        t.add_column(col, justify="left" if col in left else "right", overflow="fold")
+        number = col not in left
+        t.add_column(col, justify="right" if number else "left", overflow="fold", no_wrap=number,
+                     min_width=max(len(w) for w in col.split("\n")) if number else None)
     return t
 
 
