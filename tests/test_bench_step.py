@@ -39,6 +39,9 @@ def test_quick_run_rows(tmp_path):
     # what the ranks and Megatron-Core's imports print stays out of the user's terminal; the progress
     # lines fit 80 columns
     assert "Warning" not in p.stderr and max(map(len, p.stderr.splitlines())) <= 80, p.stderr
+    # the summary table too (stdout is a pipe here: 80 columns), one row per case
+    assert max(map(len, p.stdout.splitlines())) <= 80, p.stdout
+    assert sum(ln.startswith(("uniform ", "zipf:", "balanced ")) for ln in p.stdout.splitlines()) == 24, p.stdout
     res = json.loads(out.read_text())
     assert res["meta"]["reps"] == 1  # --quick: one timed round
     rows = {(r["skew"], r["policy"]): r for r in res["rows"]}

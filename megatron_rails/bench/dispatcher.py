@@ -138,8 +138,10 @@ def _weight_exchange_ms(store, reps: int, warmup: int) -> dict:
 
 
 def bench_dispatcher(out: str, reps: int = 20, world: int = 4, warmup: int = WARMUP, quick: bool = False) -> dict:
-    print(f"dispatcher bench: {world} gloo ranks, hidden {SHAPE['hidden']}, ffn {SHAPE['ffn']}, "
-          f"{SHAPE['experts']} experts top-{SHAPE['topk']}, {SHAPE['tokens']} tokens/rank", file=sys.stderr)
+    from ..sim.term import wrapped
+
+    print(wrapped(f"dispatcher bench: {world} gloo ranks, hidden {SHAPE['hidden']}, ffn {SHAPE['ffn']}, "
+                  f"{SHAPE['experts']} experts top-{SHAPE['topk']}, {SHAPE['tokens']} tokens/rank"), file=sys.stderr)
     # a file rendezvous (no port to race for) and rank 0's rows, in a directory of our own: not
     # beside --out, which may be /dev/stdout
     with tempfile.TemporaryDirectory(prefix="rails-bench-") as rdzv:

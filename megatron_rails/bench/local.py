@@ -226,8 +226,11 @@ def bench_local(out: str, shape_name: str = "mixtral-8x7b", device: str = "cpu",
     from ..megatron.models import MCORE_VERSION
 
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
-    print(f"local-work bench on {name}: {shape_name} {shape}, {dtype}, each side's busiest rank; send order: "
-          f"{send_order_path(torch.zeros(1, 1, dtype=torch.bool, device=dev))}", file=sys.stderr)
+    from ..sim.term import wrapped
+
+    print(wrapped(f"local-work bench on {name}: {shape_name} ({', '.join(f'{k} {v}' for k, v in shape.items())}), "
+                  f"{dtype}, each side's busiest rank; send order: "
+                  f"{send_order_path(torch.zeros(1, 1, dtype=torch.bool, device=dev))}"), file=sys.stderr)
     # untimed, every case once: first-use costs (CUDA context, kernels, the Triton kernel's variants)
     # and a GPU's clocks, which ran the first timed cases slow after one warm-up case on an H200
     for skew in SKEWS:
@@ -238,9 +241,8 @@ def bench_local(out: str, shape_name: str = "mixtral-8x7b", device: str = "cpu",
         for policy in POLICIES:
             r = _rows_for(policy, skew, shape, dt, dev, reps, sync)
             rows.append(r)
-            print(f"  {policy:8s} {skew:9s} plan {r['plan_us_p50']:8.1f} us  local {r['local_us_p50']:8.1f} us  "
-                  f"megatron {r['megatron_local_us_p50']:8.1f} us  ratio {r['ratio_vs_megatron']:.2f}",
-                  file=sys.stderr)
+            print(f"  {policy:7s} {skew:8s} plan {r['plan_us_p50']:6.0f} + local {r['local_us_p50']:7.0f} us vs "
+                  f"megatron {r['megatron_local_us_p50']:7.0f} us: {r['ratio_vs_megatron']:.2f}x", file=sys.stderr)
     res = {"meta": {"command": "megatron-rails bench local", "device": name, "shape": shape_name, **shape,
                     "dtype": dtype, "reps": reps, "torch": torch.__version__,
                     "megatron_core": MCORE_VERSION,

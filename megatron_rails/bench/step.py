@@ -242,8 +242,8 @@ def bench_step(out: str, ranks: int = 2, microbatches: int = 8, quick: bool = Fa
     if microbatches < 1:
         raise BenchError(f"--microbatches {microbatches}: need at least 1")
     if ranks == 1:
-        print("step bench: --ranks 1: one EP rank has nothing to balance, so every policy runs as none "
-              "(a smoke run; ratios mean nothing)", file=sys.stderr)
+        print(wrapped("step bench: --ranks 1: one EP rank has nothing to balance, so every policy runs as "
+                      "none (a smoke run; ratios mean nothing)"), file=sys.stderr)
     shape = QUICK_SHAPE if quick else SHAPE
     reps = reps if reps is not None else (1 if quick else 6)
     warmup = 0 if quick else WARMUP
@@ -275,13 +275,35 @@ def bench_step(out: str, ranks: int = 2, microbatches: int = 8, quick: bool = Fa
                             "taken within a round (see megatron_rails/bench/step.py)."},
            "rows": rows, "targets": targets(rows)}
     write_text(out, json.dumps(res, indent=1))  # the results first: a figure that fails loses none of them
-    print(table(rows), file=summary_stream(out))
+    print_table(rows, summary_stream(out))
     if plot is not False:
         plot_step(res, plot or os.path.splitext(out)[0] + ".png")
     return res
 
 
-def table(rows: list[dict]) -> str:
+def print_table(rows: list[dict], stream) -> None:
+    """The rows as a terminal table at the console's width (80 columns when not a terminal; the
+    quartiles are in the JSON, and in `markdown_table` for docs/benchmarks.md)."""
+    from rich.console import Console
+
+    from ..sim.term import note, table
+
+    t = table("bench step: per optimizer step, medians over rounds",
+              ["routing", "policy", "step\nms", "vs\nnone", "of\nideal", "max/\nmean", "weight\nMB/step",
+               "expert\nMB/rank"], left=("routing", "policy"))
+    for r in rows:
+        t.add_row(r["skew"], r["policy"], f"{r['step_ms_p50']:.0f}", f"{r['ratio_vs_none']:.3f}",
+                  f"{r['of_ideal']:.3f}", f"{r['max_over_mean_after']:.2f}",
+                  f"{r['weight_bytes_per_step'] / 1e6:.1f}", f"{r['expert_bytes_per_rank'] / 1e6:.1f}")
+    con = Console(file=stream, highlight=False)
+    con.print(t)
+    note(con, "vs none: this step over none's in the same round; of ideal: none's forced-balanced step over "
+              "this one; max/mean: tokens on the busiest rank over the mean, after planning; weight MB/step: "
+              "slot weights fetched plus gradients returned; expert MB/rank: experts' and slots' parameters "
+              "and gradients")
+
+
+def markdown_table(rows: list[dict]) -> str:
     """The rows as a markdown table (docs/benchmarks.md)."""
     head = ("| routing | policy | step ms | vs none (quartiles) | of ideal (quartiles) | max/mean after | "
             "weight MB/step (per-microbatch) | expert MB/rank |\n|---|---|---|---|---|---|---|---|")

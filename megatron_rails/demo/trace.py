@@ -218,8 +218,10 @@ def record_demo(out: str, steps: int = 10, policy: str = "none", ranks: int = 4,
 def cmd_trace(args) -> int:
     path = record_demo(args.out, args.steps, args.policy, args.ranks, args.slots, args.quiet)
     I, Y, D, E = load_trace(path)[0].shape
-    print(f"trace: {path}: {I} steps x {Y} layers, {D} ranks x {E} experts "
-          f"(policy {args.policy}; replay: megatron-rails simulate run CONFIG --trace {path})")
+    from ..sim.term import wrapped
+
+    print(wrapped(f"trace: {path}: {I} steps x {Y} layers, {D} ranks x {E} experts (policy {args.policy}; "
+                  f"replay: megatron-rails simulate run CONFIG --trace {path})"))
     return 0
 
 
