@@ -251,6 +251,12 @@ CASES = [
      "balancer.ranks_per_node: 3, but this layout puts 2"),
     ("unknown key points to config docs", ["config", "show", MINI, "model.zzzzzz=1"],
      "`megatron-rails config docs` lists the 27 valid keys"),
+    # the leftovers argparse cannot place: only what is really unknown is named
+    ("override then a stray word", ["simulate", "run", MINI, "--steps", "1", "model.num_layers=3", "--wide", "foo"],
+     "unrecognized arguments: foo (see"),
+    ("out under a regular file", ["config", "docs", "--out", "{tmp}/c.npy/x.md"], "c.npy' is not a directory"),
+    ("an empty key", ["config", "show", "{tmp}/emptykey.yaml"], "emptykey.yaml: '': unknown key"),
+    ("counts JSON with booleans", PLAN + ["--counts", "{tmp}/bools.json"], "bools.json: counts must be integers"),
 ]
 
 def _npy_header(shape) -> bytes:
@@ -300,6 +306,8 @@ FILES = {  # name: YAML text, or a counts array
     "long_value.yaml": "policy: fsep\nslots: " + "x" * 5000 + "\n",
     "hugehdr.npy": _npy_header((10**8, 10**5)) + bytes(64),
     "dup.json": '{"counts": [[1, 2]], "counts": [[3, 4]]}',
+    "bools.json": "[[true, false], [1, 2]]",
+    "emptykey.yaml": 'policy: fsep\n"": 1\n',
     "f16.npy": np.array([[60000, 5], [1, 2]], dtype=np.float16),
 }
 

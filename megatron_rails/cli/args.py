@@ -176,7 +176,8 @@ def _out_file(name: str):
         if p.is_dir():
             raise argparse.ArgumentTypeError(f"{name} {text!r} is a directory; give a file name")
         if not p.parent.is_dir():
-            raise argparse.ArgumentTypeError(f"{name} {text!r}: directory {str(p.parent)!r} does not exist")
+            what = "is not a directory" if p.parent.exists() else "does not exist"
+            raise argparse.ArgumentTypeError(f"{name} {text!r}: {str(p.parent)!r} {what}")
         _probe_writable(name, p)
         return text
     return conv

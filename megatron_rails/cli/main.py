@@ -460,9 +460,11 @@ def main(argv=None) -> int:
     args, extra = parser.parse_known_args(argv)
     prog = getattr(args, "command_prog", parser.prog)
     if extra:
-        if isinstance(getattr(args, "overrides", None), list) and all("=" in a and not a.startswith("-") for a in extra):
-            args.overrides += extra  # KEY=VALUE overrides after an option, which argparse leaves over
-        else:  # the subcommand's own name and --help, not the top level's
+        if isinstance(getattr(args, "overrides", None), list):
+            # KEY=VALUE overrides after an option, which argparse leaves over: only the rest is unknown
+            args.overrides += [a for a in extra if "=" in a and not a.startswith("-")]
+            extra = [a for a in extra if not ("=" in a and not a.startswith("-"))]
+        if extra:  # the subcommand's own name and --help, not the top level's
             print(f"{prog}: error: unrecognized arguments: {' '.join(extra)} (see {prog} --help)", file=sys.stderr)
             return 2
     args.unset = fill_defaults(args)

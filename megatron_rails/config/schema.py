@@ -80,7 +80,8 @@ def build(cls, data, where: str, prefix: str, errors: list, origin: dict | None 
     fields = {f.name: f for f in dataclasses.fields(cls)}
     def err(key, msg):
         src = origin.get(f"{prefix}{key}")
-        errors.append(f"{where}: {prefix}{cut(str(key))}: {msg}" + (f" (from override '{src}')" if src else ""))
+        name = cut(str(key)) if str(key).strip() else repr(key)  # an empty key shows as ''
+        errors.append(f"{where}: {prefix}{name}: {msg}" + (f" (from override '{src}')" if src else ""))
 
     for k in data:
         if k not in fields:

@@ -476,6 +476,8 @@ def _load_json(p: Path):
     data = data["counts"] if isinstance(data, dict) else data
     if not isinstance(data, list):
         raise WorkloadError(f"{p}: expected a JSON list of lists or {{\"counts\": [...]}}")
+    if _has_bool(data):  # numpy would read true / false beside integers as 1 / 0
+        raise WorkloadError(f"{p}: counts must be integers, not true / false")
     try:
         data = np.array(data)
     except OverflowError:  # integers beyond int64 (numpy refuses them in an int array)
@@ -487,6 +489,10 @@ def _load_json(p: Path):
     if data is None or data.dtype in (bool, object):
         raise WorkloadError(f"{p}: counts must be a rectangular array of integers")
     return data
+
+
+def _has_bool(x) -> bool:
+    return isinstance(x, bool) or (isinstance(x, list) and any(_has_bool(v) for v in x))
 
 
 def load_trace_npz(path) -> tuple[np.ndarray, dict]:
