@@ -194,7 +194,9 @@ def run_soak(planner_calls: int, steps: int, world: int, out: str | None, json_o
     def say(msg):
         print(wrapped(msg), file=sys.stderr, flush=True)
 
-    say(f"soak: {planner_calls} planner calls per policy, then {steps} dispatcher steps on {world} gloo ranks")
+    parts = ([f"{planner_calls} planner calls per policy"] if planner_calls else []) + \
+        ([f"{steps} dispatcher steps on {world} gloo ranks"] if steps else [])
+    say(f"soak: {', then '.join(parts) or 'nothing to run'}")
     t0 = time.perf_counter()
     res = {"planner": planner_soak(planner_calls, progress=say) if planner_calls else None,
            "dispatcher": dispatcher_soak(steps, world) if steps else None}
