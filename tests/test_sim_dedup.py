@@ -210,7 +210,7 @@ def test_cli_dedup_table_fits_80_columns():
                            text=True, timeout=120, env=env, cwd=ROOT)
         assert p.returncode == 0, p.stderr
         assert max(len(ln) for ln in p.stdout.splitlines()) <= 80
-        assert "with dedup" in p.stdout and "vs" in p.stdout and "rails" in p.stdout
+        assert "with dedup" in p.stdout and "speedup" in p.stdout and "rails" in p.stdout
         assert p.stdout.count("│ pairs ") == (3 if mode == "both" else 0)  # the traffic column of both
 
 
