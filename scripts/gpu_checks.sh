@@ -30,11 +30,11 @@ say "1. bench local (alone on the GPU)"
 for shape in mixtral-8x7b mixtral-8x22b; do
   timeout 180 "$PY" -m megatron_rails.cli bench local --device cuda --shape "$shape" \
     --out "$OUT/local-$shape.json" > "$OUT/local-$shape.txt" 2>&1
-  say "  $shape: exit $?"; grep -E "^  [a-z]" "$OUT/local-$shape.txt" | tee -a "$OUT/summary.txt"
+  say "  $shape: exit $?"; grep -E "^  [a-z]+ +(uniform|zipf)" "$OUT/local-$shape.txt" | tee -a "$OUT/summary.txt"
 done
 MEGATRON_RAILS_SEND_ORDER=device timeout 180 "$PY" -m megatron_rails.cli bench local --device cuda \
   --shape mixtral-8x7b --out "$OUT/local-mixtral-8x7b-device-order.json" > "$OUT/local-device.txt" 2>&1
-say "  mixtral-8x7b, send order by torch ops: exit $?"; grep -E "^  [a-z]" "$OUT/local-device.txt" | tee -a "$OUT/summary.txt"
+say "  mixtral-8x7b, send order by torch ops: exit $?"; grep -E "^  [a-z]+ +(uniform|zipf)" "$OUT/local-device.txt" | tee -a "$OUT/summary.txt"
 fi
 
 say "2. gpu_check and pretrain_gpt.py, side by side"

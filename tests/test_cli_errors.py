@@ -257,6 +257,10 @@ CASES = [
     ("out under a regular file", ["config", "docs", "--out", "{tmp}/c.npy/x.md"], "c.npy' is not a directory"),
     ("an empty key", ["config", "show", "{tmp}/emptykey.yaml"], "emptykey.yaml: '': unknown key"),
     ("counts JSON with booleans", PLAN + ["--counts", "{tmp}/bools.json"], "bools.json: counts must be integers"),
+    ("counts JSON nested 500 deep", PLAN + ["--counts", "{tmp}/deep500.json"], "deep500.json: counts must be a rect"),
+    ("skew FILE: in capitals with topk", PLAN + ["--skew", "FILE:{tmp}/c.npy", "--ranks", "4", "--experts", "8",
+                                                  "--topk", "2"], "so --topk would change nothing"),
+    ("counts name too long, flag abbreviated", PLAN + ["--coun", LONG + ".json"], "--counts {tmp}/ccc"),
 ]
 
 def _npy_header(shape) -> bytes:
@@ -307,6 +311,7 @@ FILES = {  # name: YAML text, or a counts array
     "hugehdr.npy": _npy_header((10**8, 10**5)) + bytes(64),
     "dup.json": '{"counts": [[1, 2]], "counts": [[3, 4]]}',
     "bools.json": "[[true, false], [1, 2]]",
+    "deep500.json": "[" * 500 + "1" + "]" * 500,  # deeper than a recursive walk of Python's goes
     "emptykey.yaml": 'policy: fsep\n"": 1\n',
     "f16.npy": np.array([[60000, 5], [1, 2]], dtype=np.float16),
 }
@@ -370,6 +375,18 @@ def test_topology_reports_every_error(tmp, capsys):
     lines = err.strip().splitlines()
     assert [ln.split(": ")[3] for ln in lines] == ["gpus_per_node", "nic_gbps", "latency_us"], err
     assert all(ln.startswith("megatron-rails simulate a2a: error: ") for ln in lines)
+
+
+def test_plot_to_stdout_redirected_to_a_file_is_refused(tmp):
+    """/dev/stdout is a regular file when the stream goes to one: the figure must not land beside it
+    in /dev (as /dev/stdout.png)."""
+    import subprocess
+
+    with open(tmp / "redirected.txt", "w") as f:
+        p = subprocess.run([sys.executable, "-m", "megatron_rails.cli", "simulate", "run", MINI, "--steps", "1",
+                            "--quiet", "--plot", "/dev/stdout"], stdout=f, stderr=subprocess.PIPE, text=True,
+                           timeout=120)
+    assert p.returncode == 2 and "'/dev/stdout': not a regular file" in p.stderr, p.stderr
 
 
 def test_config_validate_goes_on_after_a_name_no_file_can_have(tmp, capsys):

@@ -148,6 +148,7 @@ def test_soak_lines_fit_80_columns():
     assert p.returncode == 0, p.stderr
     assert "planner soak: 20 calls" in p.stderr
     assert max(map(len, p.stderr.splitlines())) <= 80, p.stderr
+    assert p.stderr.splitlines()[0] == "soak: 20 planner calls per policy", p.stderr  # no "then 0 steps"
 
 
 def test_config_lines_fit_80_columns(tmp_path):
@@ -187,7 +188,7 @@ def test_demo_planners_headers_are_whole():
     assert all(w in words for w in ("max/mean", "before", "after", "bound", "cross-", "node", "tokens", "p99 us")), head
 
 
-def test_numbers_are_never_cut_across_rows():
+def test_numbers_are_never_cut_across_rows(monkeypatch):
     """A table narrower than its columns (simulate a2a's at 256 nodes, 80 columns): the text columns
     fold, every number stays on one row whole (sim/term.py's table, which every command's table is;
     before, `1218286.6` came out as `1218286` over `.6`)."""
@@ -208,3 +209,11 @@ def test_numbers_are_never_cut_across_rows():
     assert max(map(len, text.splitlines())) <= 64, text
     cells = {c.strip() for ln in text.splitlines() for c in ln.split("│")}
     assert all(n in cells for r in rows for n in r[1:6]), text
+    # a terminal narrower than the numbers alone: the commands' console is widened, not cropped
+    from megatron_rails.sim.term import console
+
+    monkeypatch.setenv("COLUMNS", "30")
+    buf = io.StringIO()
+    console(t, file=buf).print(t)
+    cells = {c.strip() for ln in buf.getvalue().splitlines() for c in ln.split("│")}
+    assert all(n in cells for r in rows for n in r[1:6]), buf.getvalue()

@@ -332,7 +332,7 @@ def dedup_markdown_table(result: dict) -> str:
     rows = result.get("dedup") or []
     gib = 2**30
     lines = ["| traffic | nodes | inter-node GiB, without → with dedup | RailS / LB, without / with | "
-             "RailS µs, without → with (fan-out included) | RailS speedup, fluid / phased |", "|---" * 6 + "|"]
+             "RailS µs, without → with (fan-out included) | RailS gain (without / with - 1), fluid / phased |", "|---" * 6 + "|"]
     order = {f: i for i, f in enumerate(dict.fromkeys(r["traffic"] for r in rows))}
     for r in sorted(rows, key=lambda r: (order[r["traffic"]], r["nodes"])):
         m = {k: r["modes"][k]["rails"] for k in ("pairs", "dedup")}

@@ -284,9 +284,7 @@ def bench_step(out: str, ranks: int = 2, microbatches: int = 8, quick: bool = Fa
 def print_table(rows: list[dict], stream) -> None:
     """The rows as a terminal table at the console's width (80 columns when not a terminal; the
     quartiles are in the JSON, and in `markdown_table` for docs/benchmarks.md)."""
-    from rich.console import Console
-
-    from ..sim.term import note, table
+    from ..sim.term import console, note, table
 
     t = table("bench step: per optimizer step, medians over rounds",
               ["routing", "policy", "step\nms", "vs\nnone", "of\nideal", "max/\nmean", "weight\nMB/step",
@@ -295,7 +293,7 @@ def print_table(rows: list[dict], stream) -> None:
         t.add_row(r["skew"], r["policy"], f"{r['step_ms_p50']:.0f}", f"{r['ratio_vs_none']:.3f}",
                   f"{r['of_ideal']:.3f}", f"{r['max_over_mean_after']:.2f}",
                   f"{r['weight_bytes_per_step'] / 1e6:.1f}", f"{r['expert_bytes_per_rank'] / 1e6:.1f}")
-    con = Console(file=stream, highlight=False)
+    con = console(t, file=stream)
     con.print(t)
     note(con, "vs none: this step over none's in the same round; of ideal: none's forced-balanced step over "
               "this one; max/mean: tokens on the busiest rank over the mean, after planning; weight MB/step: "

@@ -216,6 +216,7 @@ def _probe_writable(name: str, p: Path) -> None:
 
 # what matplotlib's savefig writes with its own backends (Agg with Pillow, PDF, PS, SVG); not .pgf, which
 # needs a LaTeX installation and would fail only after the work
+STREAM_NAMES = re.compile(r"^/dev/(stdin|stdout|stderr|tty)$|^/dev/fd/|^/proc/[^/]+/fd/")
 PLOT_SUFFIXES = (".png", ".pdf", ".svg", ".svgz", ".eps", ".ps", ".jpg", ".jpeg", ".tif", ".tiff", ".webp")
 
 
@@ -229,8 +230,9 @@ def plot_file(name: str):
         suffix = Path(text).suffix.lower()
         if Path(text).is_dir() or not text.strip():
             return check(text)  # its own error: a directory, no name
-        # /dev/stdout is a regular file when the stream is redirected to one: go by the name too
-        special = os.path.abspath(text).startswith(("/dev/", "/proc/"))
+        # /dev/stdout is a regular file when the stream is redirected to one: the names of a
+        # process's streams are refused by name too (/dev/shm and the like stay usable)
+        special = STREAM_NAMES.match(os.path.abspath(text))
         if special or (Path(text).exists() and not Path(text).is_file()):
             raise argparse.ArgumentTypeError(f"{name} {text!r}: not a regular file (a device or a pipe); a "
                                              "figure is written to a file")

@@ -106,10 +106,12 @@ PLAN_OPTION_USERS = {
 def _plan_ignored_options(args) -> None:
     """Refuse a typed option the plan would not use: the workload's shape beside --counts (the file
     fixes it), a policy option the chosen policy does not read."""
+    from ..core.workloads import parse_skew
+
     typed = [k for k in ("topk", "tokens_per_rank", "seed") if k not in args.unset]
     skew = getattr(args, "skew", None)
     fixed = (f"--counts {args.counts}" if args.counts is not None else
-             f"--skew {skew}" if isinstance(skew, str) and skew.strip().startswith("file:") else None)
+             f"--skew {skew}" if isinstance(skew, str) and parse_skew(skew).kind == "file" else None)
     if fixed and typed:
         flags = ", ".join(f"--{k.replace('_', '-')}" for k in typed)
         them = "them" if len(typed) > 1 else "it"
@@ -426,23 +428,30 @@ def _typed_strings(args) -> list[str]:
     return found
 
 
-def _named_by(args, typed: list, filename) -> str:
-    """'--flag ' (or 'KEY=' for an override) of the argument that named `filename`, or '' (a
-    positional argument, a file named inside another, or none of the arguments'); typed: the
-    command line as given."""
+def _named_by(args, typed: list, filename) -> str | None:
+    """'--flag ' (or 'KEY=' for an override, '' for a positional argument) of the argument that
+    named `filename`, or None where no argument did (a file named after another, as OUT.partial);
+    typed: the command line as given (a flag abbreviated as argparse allows counts)."""
+    from ..core.workloads import WorkloadError, parse_skew
+
     if args is None or not filename:
-        return ""
+        return None
     for k, v in vars(args).items():
         for x in (v if isinstance(v, list) else [v]):
             if not isinstance(x, str):
                 continue
-            if x in (filename, f"file:{filename}"):
+            try:
+                skew = parse_skew(x) if k == "skew" else None
+            except WorkloadError:
+                skew = None
+            if x == filename or (skew is not None and skew.kind == "file" and skew.path == filename):
                 flag = f"--{k.replace('_', '-')}"
-                return f"{flag} " if any(t == flag or t.startswith(flag + "=") for t in typed) else ""
+                said = any(t.startswith("--") and len(t) > 2 and flag.startswith(t.split("=", 1)[0]) for t in typed)
+                return f"{flag} " if said else ""
             key, eq, val = x.partition("=")
             if eq and val == filename:
                 return f"{key}="
-    return ""
+    return None
 
 
 def _write_error(err: WriteError, args) -> str:
@@ -488,9 +497,9 @@ def main(argv=None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
     except OSError as err:
-        if err.errno in BAD_NAME_ERRNOS:  # a path no file can have: bad input, naming its option
-            typed = list(sys.argv[1:] if argv is None else argv)
-            report(prog, InputError(f"{_named_by(args, typed, err.filename)}{err.filename}: {err.strerror}"), args)
+        named = _named_by(args, list(sys.argv[1:] if argv is None else argv), err.filename)
+        if err.errno in BAD_NAME_ERRNOS and named is not None:  # a path no file can have: bad input
+            report(prog, InputError(f"{named}{err.filename}: {err.strerror}"), args)
             return 2
         # the machine refused a write or read the arguments could not foresee (disk full, a device
         # file): one line, as for bad input, with the operating system's reason

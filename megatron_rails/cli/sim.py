@@ -147,7 +147,7 @@ def _print_dedup(head: dict, rows: list[dict], wide: bool) -> None:
               + "t: fluid completion of what crosses first (dedup: each token once per remote node, to the rank "
               "with its local index there; intra-node pairs as before); LB: its lower bound; +fan: t with the "
               "dedup fan-out inside the receiving nodes over NVLink (pipelined); speedup: the same scheme's +fan without "
-              "dedup over this row's (above 1: dedup is faster)"
+              "dedup over this row's, above 1 where dedup is faster"
               + ("; phased: three store-and-forward phases, +fan: and the fan-out as a fourth (fan-out us alone); "
                  "LB +fan: the bound of both stages" if wide else " (--wide: phased times, fan-out alone, hops)"))
 

@@ -492,7 +492,16 @@ def _load_json(p: Path):
 
 
 def _has_bool(x) -> bool:
-    return isinstance(x, bool) or (isinstance(x, list) and any(_has_bool(v) for v in x))
+    """Whether nested lists hold a true / false anywhere (a walk with a stack of its own: JSON nests
+    deeper than Python's recursion goes)."""
+    todo = [x]
+    while todo:
+        v = todo.pop()
+        if isinstance(v, bool):
+            return True
+        if isinstance(v, list):
+            todo.extend(v)
+    return False
 
 
 def load_trace_npz(path) -> tuple[np.ndarray, dict]:
@@ -560,10 +569,13 @@ def save_counts(path: str | os.PathLike, counts_arr) -> Path:
 @lru_cache(maxsize=8)
 def _load_cached(path: str, mtime_ns: int, size: int) -> np.ndarray:
     arr = load_counts(path)
-    if not arr.any():  # every policy would compare idle ranks (--counts and --trace refuse it alike)
-        raise WorkloadError(f"{path}: every count is 0; there are no tokens to route")
     arr.flags.writeable = False
     return arr
+
+
+@lru_cache(maxsize=8)
+def _all_zero(path: str, mtime_ns: int, size: int) -> bool:
+    return not _load_cached(path, mtime_ns, size).any()
 
 
 def _file_counts(spec: WorkloadSpec, step: int, layer: int) -> np.ndarray:
@@ -574,10 +586,10 @@ def _file_counts(spec: WorkloadSpec, step: int, layer: int) -> np.ndarray:
     except WorkloadError as err:
         raise WorkloadError(f"{err} (skew {spec.skew!r})") from None
     st = os.stat(path)
-    try:  # reloads when the file changes
-        arr = _load_cached(os.path.abspath(path), st.st_mtime_ns, st.st_size)
-    except WorkloadError as err:
-        raise WorkloadError(f"{err} (skew {spec.skew!r})") from None
+    key = (os.path.abspath(path), st.st_mtime_ns, st.st_size)
+    arr = _load_cached(*key)  # reloads when the file changes
+    if _all_zero(*key):  # every policy would compare idle ranks (--counts and --trace refuse it alike)
+        raise WorkloadError(f"{path}: every count is 0; there are no tokens to route (skew {spec.skew!r})")
     if arr.shape[-2:] != (spec.num_ranks, spec.num_experts):
         raise WorkloadError(f"{path}: counts are [D={arr.shape[-2]}, E={arr.shape[-1]}], but the workload has "
                             f"{spec.num_ranks} ranks and {spec.num_experts} experts")

@@ -19,17 +19,32 @@ def table(title: str, columns: list[str], left: tuple[str, ...] = ()):
     return t
 
 
-def console(t=None, wide: bool = False):
-    """A Console of the terminal's width (rich reads COLUMNS; 80 when stdout is not a terminal); with
-    `wide`, at least as wide as the table `t` needs on one line per row."""
+def console(t=None, wide: bool = False, file=None):
+    """A Console of the terminal's width (rich reads COLUMNS; 80 when stdout is not a terminal) on
+    `file` (stdout); at least as wide as the table `t` needs with every number whole (on a terminal
+    too narrow for that, rich would crop them), with `wide` on one line per row."""
     from rich.console import Console
 
-    con = Console(highlight=False)
-    if wide and t is not None:
-        need = Console(width=10_000).measure(t).maximum
+    con = Console(highlight=False, file=file)
+    if t is not None:
+        need = Console(width=10_000).measure(t).maximum if wide else _narrowest(t)
         if need > con.width:
-            con = Console(width=need, highlight=False)
+            con = Console(width=need, highlight=False, file=file)
     return con
+
+
+TEXT_MIN = 4  # the fewest characters a folding (text) column keeps per line
+
+
+def _narrowest(t) -> int:
+    """The narrowest width at which table `t` (made by `table`) shows every number whole: number
+    columns at their widest cell, text columns folded to TEXT_MIN, " │ " between columns."""
+    widths = []
+    for col in t.columns:
+        cells = [str(c) for c in col._cells] + str(col.header).split("\n")
+        widest = max((len(line) for c in cells for line in c.split("\n")), default=0)
+        widths.append(widest if col.no_wrap else min(widest, TEXT_MIN))
+    return sum(widths) + 3 * (len(widths) - 1)
 
 
 def note(con, text: str) -> None:
