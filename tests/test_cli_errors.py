@@ -252,6 +252,8 @@ CASES = [
     ("unknown key points to config docs", ["config", "show", MINI, "model.zzzzzz=1"],
      "`megatron-rails config docs` lists the 27 valid keys"),
     # the leftovers argparse cannot place: only what is really unknown is named
+    ("a2a json and wide", ["simulate", "a2a", "--nodes", "1", "--json", "--wide"], "--json prints no table"),
+    ("run json and wide", ["simulate", "run", MINI, "--json", "--wide"], "--json prints no table"),
     ("override then a stray word", ["simulate", "run", MINI, "--steps", "1", "model.num_layers=3", "--wide", "foo"],
      "unrecognized arguments: foo (see"),
     ("out under a regular file", ["config", "docs", "--out", "{tmp}/c.npy/x.md"], "c.npy' is not a directory"),

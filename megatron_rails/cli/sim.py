@@ -152,7 +152,14 @@ def _print_dedup(head: dict, rows: list[dict], wide: bool) -> None:
                  "LB +fan: the bound of both stages" if wide else " (--wide: phased times, fan-out alone, hops)"))
 
 
+def no_table_with_json(args) -> None:
+    """--wide chooses the table's columns; with --json there is no table (before any work)."""
+    if args.json and args.wide:
+        raise InputError("--wide widens the table, and --json prints no table: drop one of them")
+
+
 def cmd_a2a(args) -> int:
+    no_table_with_json(args)
     head, rows = run_a2a(args)
     if args.json:
         print(json.dumps(rows))
