@@ -10,6 +10,8 @@ import os
 import re
 from pathlib import Path
 
+from ..core.errors import InputError
+
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Appends "(default: X; RANGE)" to an option's help: the default unless there is no value to show
@@ -252,6 +254,12 @@ def escaped(text: str, values) -> str:
     for value in sorted((v for v in values if isinstance(v, str) and not v.isprintable()), key=len, reverse=True):
         text = text.replace(value, repr(value)[1:-1])
     return text
+
+
+def no_table_with_json(args) -> None:
+    """--wide chooses the table's columns; with --json there is no table (checked before any work)."""
+    if args.json and args.wide:
+        raise InputError("--wide widens the table, and --json prints no table: drop one of them")
 
 
 def flag_error(err) -> str:

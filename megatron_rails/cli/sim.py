@@ -9,7 +9,7 @@ import json
 
 from ..core.errors import InputError
 from ..core.policy import MAX_SLOTS
-from .args import divisor_of, int_range, out_file
+from .args import divisor_of, int_range, no_table_with_json, out_file
 
 MAX_WORLD = 2048  # GPUs of one simulated all-to-all: its flow model holds [D, D] matrices per rail
 
@@ -150,12 +150,6 @@ def _print_dedup(head: dict, rows: list[dict], wide: bool) -> None:
               "dedup over this row's, above 1 where dedup is faster"
               + ("; phased: three store-and-forward phases, +fan: and the fan-out as a fourth (fan-out us alone); "
                  "LB +fan: the bound of both stages" if wide else " (--wide: phased times, fan-out alone, hops)"))
-
-
-def no_table_with_json(args) -> None:
-    """--wide chooses the table's columns; with --json there is no table (before any work)."""
-    if args.json and args.wide:
-        raise InputError("--wide widens the table, and --json prints no table: drop one of them")
 
 
 def cmd_a2a(args) -> int:

@@ -111,7 +111,7 @@ def run(args) -> dict:
 
 def cmd_run(args) -> int:
     from ..sim.report import plot, print_table
-    from .sim import no_table_with_json
+    from .args import no_table_with_json
 
     no_table_with_json(args)
     result = run(args)
