@@ -431,7 +431,8 @@ def _typed_strings(args) -> list[str]:
 def _named_by(args, typed: list, filename) -> str | None:
     """'--flag ' (or 'KEY=' for an override, '' for a positional argument) of the argument that
     named `filename`, or None where no argument did (a file named after another, as OUT.partial);
-    typed: the command line as given (a flag abbreviated as argparse allows counts)."""
+    typed: the command line as given (a flag abbreviated as argparse allows counts; an option left
+    at its default is named too)."""
     from ..core.workloads import WorkloadError, parse_skew
 
     if args is None or not filename:
@@ -444,21 +445,15 @@ def _named_by(args, typed: list, filename) -> str | None:
                 skew = parse_skew(x) if k == "skew" else None
             except WorkloadError:
                 skew = None
-            if x == filename or (skew is not None and skew.kind == "file" and skew.path == filename):
+            same = x == filename or os.path.abspath(x) == os.path.abspath(filename)
+            if same or (skew is not None and skew.kind == "file" and skew.path == filename):
                 flag = f"--{k.replace('_', '-')}"
                 said = any(t.startswith("--") and len(t) > 2 and flag.startswith(t.split("=", 1)[0]) for t in typed)
-                return f"{flag} " if said else ""
+                return f"{flag} " if said or k in getattr(args, "unset", ()) else ""
             key, eq, val = x.partition("=")
             if eq and val == filename:
                 return f"{key}="
     return None
-
-
-def _write_error(err: WriteError, args) -> str:
-    """'--out FILE: why': the option that named the file (none for a file named after another)."""
-    flag = next((f"--{k.replace('_', '-')} " for k, v in vars(args).items() if k in ("out", "plot")
-                 and isinstance(v, str) and os.path.abspath(v) == os.path.abspath(err.filename)), "")
-    return f"{flag}{err.filename}: {err.strerror}"
 
 
 def main(argv=None) -> int:
@@ -471,19 +466,22 @@ def main(argv=None) -> int:
     if extra:
         if isinstance(getattr(args, "overrides", None), list):
             # KEY=VALUE overrides after an option, which argparse leaves over: only the rest is unknown
-            args.overrides += [a for a in extra if "=" in a and not a.startswith("-")]
-            extra = [a for a in extra if not ("=" in a and not a.startswith("-"))]
+            override = {a: "=" in a and not a.startswith("-") for a in extra}
+            args.overrides += [a for a in extra if override[a]]
+            extra = [a for a in extra if not override[a]]
         if extra:  # the subcommand's own name and --help, not the top level's
             print(f"{prog}: error: unrecognized arguments: {' '.join(extra)} (see {prog} --help)", file=sys.stderr)
             return 2
     args.unset = fill_defaults(args)
+    typed = list(sys.argv[1:] if argv is None else argv)
     try:
         return args.func(args)
     except KeyboardInterrupt:  # Ctrl-C: the user knows why; a traceback would only bury the prompt
         print(f"{prog}: interrupted", file=sys.stderr)
         return 130
     except WriteError as err:  # a result file could not be written (what was there before is kept)
-        report(prog, InputError(_write_error(err, args)), args)
+        named = _named_by(args, typed, err.filename) or ""  # none for a file named after another
+        report(prog, InputError(f"{named}{err.filename}: {err.strerror}"), args)
         return 1
     except USER_ERRORS as err:
         report(prog, err, args)
@@ -497,7 +495,7 @@ def main(argv=None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
     except OSError as err:
-        named = _named_by(args, list(sys.argv[1:] if argv is None else argv), err.filename)
+        named = _named_by(args, typed, err.filename)
         if err.errno in BAD_NAME_ERRNOS and named is not None:  # a path no file can have: bad input
             report(prog, InputError(f"{named}{err.filename}: {err.strerror}"), args)
             return 2

@@ -203,26 +203,26 @@ class LayerRuntime:
             window.forwards += 1
         self.plan = plan
         self.sent = send_order(plan, self.rank, routing_map, probs, uniform=bool(lo == hi), receive=True)
-        units_DV = self._node_units(x_TH.shape[0], int(hi), int(gathered[:, E + 1].max()))
+        units_DV = self._node_units(x_TH.shape[0], gathered[:, E + 1])
         record = None if replay else self._record(plan, counts_DE, (t1 - t0) * 1e6, (t2 - t1) * 1e6, x_TH, opened,
                                                   fetched, units_DV)
         if self.dedup is not None:
             return (*self.dedup.send_rows(x_TH, self.sent.probs_P), record)
         return token_rows(x_TH, self.sent), self.sent.probs_P, record
 
-    def _node_units(self, T: int, width: int, width_D: int) -> Optional[np.ndarray]:
+    def _node_units(self, T: int, most_pairs_D: np.ndarray) -> Optional[np.ndarray]:
         """Across nodes: this rank's units (runtime/units.py) and, all-gathered, every rank's units
         per node (int64 [D, V]; collective); the deduplicated exchange when the policy asks for it.
-        width / width_D: the most pairs a token has on this rank / on any EP rank (host ints, from
-        the counts' all-gather: they bound the ordered sums without a GPU sync)."""
+        most_pairs_D: int64 [D], the most pairs a token has on each EP rank (from the counts'
+        all-gather: it bounds the ordered sums without a GPU sync)."""
         self.units = self.dedup = None
         if self.nodes == 1:
             return None
-        self.units = node_units(self.sent, self.rank, self.node_size, self.nodes, T, width)
+        self.units = node_units(self.sent, self.rank, self.node_size, self.nodes, T, int(most_pairs_D[self.rank]))
         units_DV = all_gather_counts(torch.from_numpy(self.units.units_V).to(self.sent.token_P.device), self.group)
         if self.policy.dedup:
             self.dedup = DedupExchange(self.plan, self.sent, self.units, units_DV, self.rank, self.node_size,
-                                       self.group, self.comm, width_D)
+                                       self.group, self.comm, int(most_pairs_D.max()))
         return units_DV
 
     def _plan(self, counts_DE: np.ndarray, replay: bool, trains: bool = True) -> tuple[Plan, object]:

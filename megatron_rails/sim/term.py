@@ -41,7 +41,7 @@ def _narrowest(t) -> int:
     columns at their widest cell, text columns folded to TEXT_MIN, " │ " between columns."""
     widths = []
     for col in t.columns:
-        cells = [str(c) for c in col._cells] + str(col.header).split("\n")
+        cells = [str(c) for c in col.cells] + str(col.header).split("\n")
         widest = max((len(line) for c in cells for line in c.split("\n")), default=0)
         widths.append(widest if col.no_wrap else min(widest, TEXT_MIN))
     return sum(widths) + 3 * (len(widths) - 1)
