@@ -226,26 +226,55 @@ def plackett_luce_inclusion(p_E, k, first=None):
     return incl
 
 
-@pytest.mark.parametrize("rounds", [wl._REJECT_ROUNDS, 0])  # 0: every repeat takes the exact fallback
-def test_sampler_matches_plackett_luce(monkeypatch, rounds):
-    monkeypatch.setattr(wl, "_REJECT_ROUNDS", rounds)
+# rejection: repeats redrawn; fallback: every repeat takes the exact renormalized draw; gumbel: the
+# Gumbel-top-k path a large top-k over most experts takes
+SAMPLER_PATHS = {"rejection": {}, "fallback": {"_REJECT_ROUNDS": 0}, "gumbel": {"_GUMBEL_TOPK": 1}}
+
+
+@pytest.mark.parametrize("path", SAMPLER_PATHS)
+def test_sampler_matches_plackett_luce(monkeypatch, path):
+    for name, value in SAMPLER_PATHS[path].items():
+        monkeypatch.setattr(wl, name, value)
     p = np.array([0.5, math.pi / 20, 0.05, 0.17, math.e / 30, 0.0, 0.01])  # zero weight: never picked
-    D, T, topk = 16, 1 << 15, 3
+    D, T, topk = 16, 1 << 15, 4
     c = sample_topk_counts(np.random.default_rng(7), p, topk, D, T)
     freq = c.sum(axis=0) / (D * T)
     want = plackett_luce_inclusion(p, topk)
     tol = 6 * np.sqrt(want * (1 - want) / (D * T)) + 1e-12
     assert np.all(np.abs(freq - want) <= tol), (freq, want)
-    assert c[:, 5].sum() == 0
+    assert c[:, 5].sum() == 0 and np.all(c.sum(axis=1) == T * topk)
 
 
-def test_sampler_forced_first_choice_matches():
+@pytest.mark.parametrize("path", SAMPLER_PATHS)
+def test_sampler_forced_first_choice_matches(monkeypatch, path):
+    for name, value in SAMPLER_PATHS[path].items():
+        monkeypatch.setattr(wl, name, value)
     p = np.array([0.4, 0.3, 0.2, 0.1, 0.05])
-    D, T, topk, hot, frac = 16, 1 << 15, 2, 3, 0.6
+    D, T, topk, hot, frac = 16, 1 << 15, 3, 3, 0.6
     c = sample_topk_counts(np.random.default_rng(3), p, topk, D, T, hot=hot, hot_frac=frac)
     want = frac * plackett_luce_inclusion(p, topk, first=hot) + (1 - frac) * plackett_luce_inclusion(p, topk)
     freq = c.sum(axis=0) / (D * T)
     assert np.all(np.abs(freq - want) <= 6 * np.sqrt(want * (1 - want) / (D * T)) + 1e-12), (freq, want)
+
+
+@pytest.mark.parametrize("E,topk,hot", [(40, 12, -1), (257, 100, 3), (20, 6, 0)])
+def test_sampler_bitmap_and_computed_tables_draw_the_same(monkeypatch, E, topk, hot):
+    # a large top-k keeps picks as a bitmap and works out late tables' cells when drawn: both must leave
+    # every draw as it was (generated workloads are reproducible from their seed)
+    p = 1.0 / np.arange(1, E + 1) ** 1.3
+    def draw():
+        wl._dist_cached.cache_clear()  # its tables were built with the _TABLES of their time
+        return sample_topk_counts(np.random.default_rng(11), p, topk, 3, 900, hot=hot, hot_frac=0.4)
+    plain = draw()
+    monkeypatch.setattr(wl, "_BITMAP_TOPK", 1)
+    monkeypatch.setattr(wl, "_TABLES", 2)
+    assert np.array_equal(draw(), plain)
+    wl._dist_cached.cache_clear()
+
+
+def test_sampler_every_expert():
+    c = sample_topk_counts(np.random.default_rng(0), [0.9, 0.05, 0.05], 3, 4, 17)
+    assert np.array_equal(c, np.full((4, 3), 17))
 
 
 @pytest.mark.parametrize("q", [None, 0, 3])

@@ -15,6 +15,8 @@ renormalized over the experts it has not picked. The sampler is exact per token 
 the cumulative weights) and vectorized over tokens: experts are relabeled hottest first, each choice is
 drawn from p_E truncated below the token's smallest unpicked label (2^16-cell lookup tables), a repeated
 choice is redrawn by rejection and, for the rare survivors, from the renormalized distribution directly.
+A top-k of 32 or more that is at least an eighth of the experts draws by the Gumbel-top-k trick instead
+(a key per expert and token), where the redraws would grow with top-k squared.
 Random streams are seeded by (seed, step, layer, sha256 of the canonical skew), never the salted hash().
 """
 from __future__ import annotations
@@ -43,6 +45,11 @@ _CELLS = 1 << 16                    # lookup-table cells (16 random bits per dra
 _MARK = 0xFFFF                      # table entry for a cell that straddles experts
 _CHUNK_TOKENS = 1 << 16             # tokens sampled together: big enough to amortize numpy calls, cache-sized
 _REJECT_ROUNDS = 4                  # rejection rounds for a repeated choice before the renormalized draw
+_TABLES = 64                        # truncation points with a prebuilt table (uint16, 128 KiB each)
+_BITMAP_TOPK = 32                   # from this top-k on, a token's picks are also kept as a bitmap
+_BITMAP_BYTES = 1 << 26             # of at most this size (the chunk's tokens x E bits)
+_GUMBEL_TOPK = 32                   # from this top-k on, and an eighth of the experts: the Gumbel-top-k trick
+_GUMBEL_BLOCK = 1 << 22             # keys per block there (float64: 32 MiB)
 _TAG_PERM, _TAG_SAMPLE, _TAG_BURST = 0x5045524D, 0x53414D50, 0x42555253
 
 
@@ -168,7 +175,9 @@ class _Dist:
 
     Table q splits [cum_start[q], 1) into 2^16 equal cells; a cell inside one expert's interval maps to it,
     a cell straddling experts (_MARK) is resolved with a second uniform and a binary search. `table` holds
-    the n_trunc tables end to end (uint16 [trunc * cells], flattened).
+    the first min(n_trunc, _TABLES) tables end to end (uint16 [tables * cells], flattened); a cell of a later
+    table is worked out when drawn, by the same float operations (so with the same result), which keeps a
+    large top-k from building tables of gigabytes.
     """
 
     def __init__(self, p_E: np.ndarray, n_trunc: int):
@@ -179,10 +188,15 @@ class _Dist:
         self.cum_start_E = np.concatenate(([0.0], cum_end[:-1]))
         self.lo_trunc = self.cum_start_E[:n_trunc].copy()
         self.width_trunc = (1.0 - self.lo_trunc) / _CELLS
-        start = self.lo_trunc[:, None] + np.arange(_CELLS) * self.width_trunc[:, None]  # [trunc, cells]
-        e_start = np.minimum(np.searchsorted(cum_end, start, side="right"), p_E.size - 1)
-        full = start + self.width_trunc[:, None] <= cum_end[e_start]
-        self.table = np.where(full, e_start, _MARK).astype(np.uint16).reshape(-1)
+        self.n_tables = min(n_trunc, _TABLES)
+        q = np.arange(self.n_tables)
+        self.table = self._cells(q[:, None], np.arange(_CELLS)[None, :]).reshape(-1)
+
+    def _cells(self, q, cell) -> np.ndarray:
+        """uint16, broadcast shape of q and cell: the expert of table q's cell, _MARK where it straddles."""
+        start = self.lo_trunc[q] + cell * self.width_trunc[q]
+        e_start = np.minimum(np.searchsorted(self.cum_end_E, start, side="right"), self.p_E.size - 1)
+        return np.where(start + self.width_trunc[q] <= self.cum_end_E[e_start], e_start, _MARK).astype(np.uint16)
 
     def search(self, u_N: np.ndarray) -> np.ndarray:
         """Expert whose [cum_start, cum_end) holds u_N; side="right" never returns a zero-width expert."""
@@ -191,7 +205,14 @@ class _Dist:
     def draw(self, rng: np.random.Generator, m: int, q_N: np.ndarray | None = None) -> np.ndarray:
         """uint16 [N] (N = m): one draw per entry from p_E truncated to labels >= q_N[i] (all labels if None)."""
         r16 = rng.bit_generator.random_raw(-(-m // 4)).view(np.uint16)[:m]
-        e = np.take(self.table, r16 if q_N is None else (q_N.astype(np.intp) << 16) | r16)
+        if q_N is None:
+            e = np.take(self.table, r16)
+        else:
+            q = q_N.astype(np.intp)
+            beyond = np.flatnonzero(q >= self.n_tables)
+            e = np.take(self.table, (np.minimum(q, self.n_tables - 1) << 16) | r16)
+            if beyond.size:
+                e[beyond] = self._cells(q[beyond], r16[beyond].astype(np.intp))
         split = np.flatnonzero(e == _MARK)
         if split.size:
             q = 0 if q_N is None else q_N[split]
@@ -207,15 +228,24 @@ class _Dist:
         for _ in range(64):  # float rounding at an interval edge may land on an excluded expert: redraw those
             pex, sex = self.p_E[ex], self.cum_start_E[ex]
             u = rng.random(todo.size) * (1.0 - pex.sum(axis=0))
-            for i in range(ex.shape[0]):  # map the shortened line back, skipping excluded intervals in order
-                u += pex[i] * (u >= sex[i])
-            e = self.search(u)
+            e = self.search(_skip_excluded(u, pex, sex))
             clash = (ex == e).any(axis=0)
             out[todo[~clash]] = e[~clash]
             todo, ex = todo[clash], ex[:, clash]
             if not todo.size:
                 return out
         raise WorkloadError("could not draw distinct experts: routing weights too concentrated for float64")
+
+
+def _skip_excluded(u_N: np.ndarray, pex: np.ndarray, sex: np.ndarray) -> np.ndarray:
+    """float64 [N]: u_N, a point on the line with the excluded intervals cut out, mapped back onto the whole
+    line: the width pex[i] of each excluded interval (sorted by start sex[i]; [choices so far, N]) is added
+    in order while u has reached its start. Once u stays below a start it stays below every later one, so
+    the adds are a prefix: a running sum (sequential, as one add after another would round) picked at each
+    token's first start not reached."""
+    run = np.cumsum(np.concatenate((u_N[None], pex)), axis=0)  # run[i]: u after the first i adds
+    reached = np.concatenate((run[:-1] >= sex, np.zeros((1, u_N.size), dtype=bool)))
+    return run[np.argmin(reached, axis=0), np.arange(u_N.size)]
 
 
 @lru_cache(maxsize=16)
@@ -229,6 +259,60 @@ def _clash(new_N: np.ndarray, prev: np.ndarray) -> np.ndarray:
     for i in range(1, prev.shape[0]):
         hit |= new_N == prev[i]
     return hit
+
+
+class _Picked:
+    """The experts each of N tokens has picked so far: its columns of `picks` ([topk, N], filled up to
+    `j` choices), and for a large top-k also a bitmap (uint8 [N, ceil(E/8)], where that is not too large),
+    so that asking whether a draw repeats a pick costs the same at every choice instead of growing with it."""
+
+    def __init__(self, picks: np.ndarray, num_experts: int):
+        self.picks, self.j = picks, 1
+        shape = (picks.shape[1], -(-num_experts // 8))
+        big = picks.shape[0] >= _BITMAP_TOPK and shape[0] * shape[1] <= _BITMAP_BYTES
+        self.bits = np.zeros(shape, dtype=np.uint8) if big else None
+        self._mark(picks[0])
+
+    def _mark(self, e_N: np.ndarray) -> None:
+        """Every token has picked e_N[n]."""
+        if self.bits is not None:
+            e = e_N.astype(np.intp)
+            self.bits[np.arange(e.size), e >> 3] |= (1 << (e & 7)).astype(np.uint8)
+
+    def has(self, rows_N: np.ndarray | None, e_N: np.ndarray) -> np.ndarray:
+        """bool [N]: token rows_N[n] (every token if None) has picked e_N[n]."""
+        if self.bits is None:
+            return _clash(e_N, self.picks[:self.j] if rows_N is None else self.picks[:self.j, rows_N])
+        e = e_N.astype(np.intp)
+        rows = np.arange(e.size) if rows_N is None else rows_N
+        return ((self.bits[rows, e >> 3] >> (e & 7)) & 1).astype(bool)
+
+    def add(self) -> None:
+        """Choice j is filled in: count it as picked."""
+        self._mark(self.picks[self.j])
+        self.j += 1
+
+
+def _gumbel_topk_counts(rng: np.random.Generator, p_E: np.ndarray, topk: int, T: int, forced_D: np.ndarray,
+                        hot: int) -> np.ndarray:
+    """int64 [D, E]: as sample_topk_counts, by the Gumbel-top-k trick: a token's topk experts are the topk
+    largest of log p_E + Gumbel noise, which orders them as sequential sampling without replacement would
+    (so the same distribution, from other random draws). A forced first choice `hot` gets an infinite key:
+    the token's other picks are then the top-(k-1) of the rest, as sequential sampling after it. Costs
+    O(E) per token whatever topk."""
+    E = p_E.size
+    with np.errstate(divide="ignore"):
+        logp_E = np.log(p_E)  # -inf for a zero weight: never among the top (at least topk weights are > 0)
+    block = max(1, _GUMBEL_BLOCK // E)  # tokens per block: bounded temporaries
+    out_DE = np.zeros((forced_D.size, E), dtype=np.int64)
+    for d in range(forced_D.size):
+        for t0 in range(0, T, block):
+            m = min(block, T - t0)
+            keys_NE = logp_E - np.log(-np.log(rng.random((m, E))))
+            keys_NE[:max(0, min(int(forced_D[d]) - t0, m)), hot] = np.inf
+            top_NK = np.argpartition(-keys_NE, topk - 1, axis=1)[:, :topk]
+            out_DE[d] += np.bincount(top_NK.reshape(-1), minlength=E)
+    return out_DE
 
 
 def sample_topk_counts(rng: np.random.Generator, p_E, topk: int, num_ranks: int, tokens_per_rank: int,
@@ -251,12 +335,19 @@ def sample_topk_counts(rng: np.random.Generator, p_E, topk: int, num_ranks: int,
     if p_sorted[topk - 1] < MIN_WEIGHT:
         raise WorkloadError(f"the {topk}-th largest routing weight {p_sorted[topk - 1]:.3g} is below {MIN_WEIGHT:g}: "
                             f"too concentrated to pick topk={topk} distinct experts (lower the skew)")
-    dist = _dist_cached(p_sorted.tobytes(), topk)  # sorted weights are the same for every layer and step
+    if topk == E:  # every token picks every expert, whatever the weights
+        return np.full((D, E), T, dtype=np.int64)
     forced_D = np.zeros(D, dtype=np.int64)
     if hot >= 0 and hot_frac > 0:
         hot = int(np.flatnonzero(order_E == hot)[0])
         forced_D = np.full(D, T, dtype=np.int64) if hot_frac >= 1 else rng.binomial(T, hot_frac, size=D)
     out_DE = np.zeros((D, E), dtype=np.int64)
+    if topk >= _GUMBEL_TOPK and 8 * topk >= E:
+        # the later choices would often repeat earlier ones, and the redraws grow with topk^2: from about
+        # an eighth of the experts on, drawing a key per expert costs less (timed at E = 512 and 4096)
+        out_DE[:, order_E] = _gumbel_topk_counts(rng, p_sorted, topk, T, forced_D, hot)
+        return out_DE
+    dist = _dist_cached(p_sorted.tobytes(), topk)  # sorted weights are the same for every layer and step
     Dc = max(1, _CHUNK_TOKENS // max(T, 1))
     base_N = np.repeat(np.arange(Dc, dtype=np.intp) * E, T)
     pos_N = np.tile(np.arange(T, dtype=np.int64), Dc)  # token index within its rank
@@ -267,24 +358,25 @@ def sample_topk_counts(rng: np.random.Generator, p_E, topk: int, num_ranks: int,
         picks[0] = dist.draw(rng, n)
         if forced_D[d0:d0 + dc].any():  # tokens are exchangeable: force the first ones of each rank
             picks[0, pos_N[:n] < np.repeat(forced_D[d0:d0 + dc], T)] = hot
+        picked = _Picked(picks, E)
         q_N = (picks[0] == 0).astype(np.uint16)  # a lower bound on the smallest label not picked yet
         for j in range(1, topk):
             # labels below q are all picked, so drawing from p_E truncated there is exact and skips most
             # repeats of a skewed head; the remaining repeats are redrawn by rejection
             col = picks[j]
             col[:] = dist.draw(rng, n, q_N if q_N.any() else None)
-            idx = np.flatnonzero(_clash(col, picks[:j]))
-            prev = picks[:j, idx]
+            idx = np.flatnonzero(picked.has(None, col))
             for _ in range(_REJECT_ROUNDS):
                 if not idx.size:
                     break
                 new = dist.draw(rng, idx.size, q_N[idx])
                 col[idx] = new
-                bad = _clash(new, prev)
-                idx, prev = idx[bad], prev[:, bad]
+                idx = idx[picked.has(idx, new)]
             if idx.size:
-                col[idx] = dist.draw_excluding(rng, prev)
-            q_N += _clash(q_N, picks[:j + 1])  # one cheap step towards the true smallest unpicked label
+                col[idx] = dist.draw_excluding(rng, picks[:j, idx])
+            picked.add()
+            if j + 1 < topk:  # one cheap step towards the true smallest unpicked label
+                q_N += picked.has(None, q_N)
         keys = (picks + base_N[:n]).reshape(-1)
         out_DE[d0:d0 + dc, order_E] = np.bincount(keys, minlength=dc * E).reshape(dc, E)
     return out_DE
