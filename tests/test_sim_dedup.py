@@ -148,6 +148,19 @@ def test_sampler_is_deterministic_and_follows_the_skew():
     assert hot >= 0 and np.all(one[0, :, 0] == hot) and np.all((one[0, :, 1:] != hot))
 
 
+def test_sampler_large_topk_takes_the_gumbel_path():
+    # top-64 of 128 experts would redraw ~k^2 times one by one; the Gumbel-top-k path draws the same model
+    p_E, _, _ = routing_weights("zipf:1.2", 128, 64, seed=4)
+    picks = sample_routing(p_E, 2, 4000, 64, seed=4)
+    assert np.all(np.diff(np.sort(picks.astype(np.int64), axis=2), axis=2) > 0)
+    mine = counts_of(picks, 128).sum(axis=0)
+    ref = counts(WorkloadSpec(2, 128, 64, 4000, "zipf:1.2", 4)).sum(axis=0)
+    assert np.abs(mine - ref).max() < 6 * np.sqrt(ref.max()) + 10
+    first = np.bincount(picks[:, :, 0].reshape(-1), minlength=128) / 8000  # the first pick ~ p_E
+    want = p_E / p_E.sum()
+    assert np.all(np.abs(first - want) <= 6 * np.sqrt(want * (1 - want) / 8000) + 1e-9)
+
+
 def test_planned_route_follows_the_plan():
     """pair_destinations sends each (rank, expert) run where the plan's route says: the pair traffic is the
     plan's send_DD, for a replica policy and for stock EP (where every pair goes to its owner)."""

@@ -272,6 +272,25 @@ def test_sampler_bitmap_and_computed_tables_draw_the_same(monkeypatch, E, topk, 
     wl._dist_cached.cache_clear()
 
 
+def test_gumbel_topk_orders_picks_as_sequential_sampling():
+    # the first pick ~ p_E, the set ~ Plackett-Luce inclusion, every row distinct; forced rows start at hot
+    p = np.array([0.5, math.pi / 20, 0.05, 0.17, math.e / 30, 0.0, 0.01])
+    p = p / p.sum()
+    N, topk = 1 << 18, 4
+    picks = wl.gumbel_topk(np.random.default_rng(5), p, topk, N)
+    assert picks.shape == (N, topk) and np.all(np.diff(np.sort(picks, axis=1), axis=1) > 0)
+    first = np.bincount(picks[:, 0], minlength=p.size) / N
+    incl = np.bincount(picks.reshape(-1), minlength=p.size) / N
+    for got, want in ((first, p), (incl, plackett_luce_inclusion(p, topk))):
+        assert np.all(np.abs(got - want) <= 6 * np.sqrt(want * (1 - want) / N) + 1e-12), (got, want)
+    forced = np.arange(N) % 3 == 0
+    picks = wl.gumbel_topk(np.random.default_rng(6), p, 2, N, forced, hot=3)
+    assert np.all(picks[forced, 0] == 3) and np.all(picks[:, 0] != picks[:, 1])
+    second = np.bincount(picks[forced, 1], minlength=p.size) / forced.sum()
+    want = np.where(np.arange(p.size) == 3, 0.0, p) / (1 - p[3])
+    assert np.all(np.abs(second - want) <= 6 * np.sqrt(want * (1 - want) / forced.sum()) + 1e-12)
+
+
 def test_sampler_every_expert():
     c = sample_topk_counts(np.random.default_rng(0), [0.9, 0.05, 0.05], 3, 4, 17)
     assert np.array_equal(c, np.full((4, 3), 17))

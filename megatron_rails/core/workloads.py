@@ -228,7 +228,7 @@ class _Dist:
         for _ in range(64):  # float rounding at an interval edge may land on an excluded expert: redraw those
             pex, sex = self.p_E[ex], self.cum_start_E[ex]
             u = rng.random(todo.size) * (1.0 - pex.sum(axis=0))
-            e = self.search(_skip_excluded(u, pex, sex))
+            e = self.search(skip_excluded(u, pex, sex))
             clash = (ex == e).any(axis=0)
             out[todo[~clash]] = e[~clash]
             todo, ex = todo[clash], ex[:, clash]
@@ -237,7 +237,7 @@ class _Dist:
         raise WorkloadError("could not draw distinct experts: routing weights too concentrated for float64")
 
 
-def _skip_excluded(u_N: np.ndarray, pex: np.ndarray, sex: np.ndarray) -> np.ndarray:
+def skip_excluded(u_N: np.ndarray, pex: np.ndarray, sex: np.ndarray) -> np.ndarray:
     """float64 [N]: u_N, a point on the line with the excluded intervals cut out, mapped back onto the whole
     line: the width pex[i] of each excluded interval (sorted by start sex[i]; [choices so far, N]) is added
     in order while u has reached its start. Once u stays below a start it stays below every later one, so
@@ -293,26 +293,38 @@ class _Picked:
         self.j += 1
 
 
-def _gumbel_topk_counts(rng: np.random.Generator, p_E: np.ndarray, topk: int, T: int, forced_D: np.ndarray,
-                        hot: int) -> np.ndarray:
-    """int64 [D, E]: as sample_topk_counts, by the Gumbel-top-k trick: a token's topk experts are the topk
-    largest of log p_E + Gumbel noise, which orders them as sequential sampling without replacement would
-    (so the same distribution, from other random draws). A forced first choice `hot` gets an infinite key:
-    the token's other picks are then the top-(k-1) of the rest, as sequential sampling after it. Costs
-    O(E) per token whatever topk."""
+def gumbel_rule(topk: int, num_experts: int) -> bool:
+    """Whether `topk` choices among `num_experts` are drawn by the Gumbel-top-k trick (gumbel_topk) instead
+    of one by one: from a top-k of 32 on that is at least an eighth of the experts, where the one-by-one
+    draws would mostly repeat earlier picks and their redraws grow with topk^2 (the crossover timed at
+    E = 512 and 4096)."""
+    return topk >= _GUMBEL_TOPK and 8 * topk >= num_experts
+
+
+def gumbel_topk(rng: np.random.Generator, p_E: np.ndarray, topk: int, m: int, forced_N=None, hot: int = -1,
+                ordered: bool = True) -> np.ndarray:
+    """intp [m, topk]: each of m tokens' topk distinct experts, by the Gumbel-top-k trick: the topk largest
+    of log p_E + Gumbel noise, in decreasing key order, which is the order (and so the distribution)
+    sequential sampling without replacement from p_E gives, from other random draws.
+
+    p_E: float64 [E] weights summing to 1, at least topk of them > 0. forced_N: bool [m] or None: those
+    tokens' first choice is `hot` (an infinite key), their others the top-(k-1) of the rest, as sequential
+    sampling after it. ordered=False leaves each token's picks in no order (for counts). O(E) per token."""
     E = p_E.size
     with np.errstate(divide="ignore"):
         logp_E = np.log(p_E)  # -inf for a zero weight: never among the top (at least topk weights are > 0)
+    out = np.empty((m, topk), dtype=np.intp)
     block = max(1, _GUMBEL_BLOCK // E)  # tokens per block: bounded temporaries
-    out_DE = np.zeros((forced_D.size, E), dtype=np.int64)
-    for d in range(forced_D.size):
-        for t0 in range(0, T, block):
-            m = min(block, T - t0)
-            keys_NE = logp_E - np.log(-np.log(rng.random((m, E))))
-            keys_NE[:max(0, min(int(forced_D[d]) - t0, m)), hot] = np.inf
-            top_NK = np.argpartition(-keys_NE, topk - 1, axis=1)[:, :topk]
-            out_DE[d] += np.bincount(top_NK.reshape(-1), minlength=E)
-    return out_DE
+    for t0 in range(0, m, block):
+        n = min(block, m - t0)
+        keys_NE = logp_E - np.log(-np.log(rng.random((n, E))))
+        if forced_N is not None:
+            keys_NE[forced_N[t0:t0 + n], hot] = np.inf
+        top = np.argpartition(-keys_NE, topk - 1, axis=1)[:, :topk] if topk < E else np.argsort(-keys_NE, axis=1)
+        if ordered and topk < E:
+            top = np.take_along_axis(top, np.argsort(-np.take_along_axis(keys_NE, top, axis=1), axis=1), axis=1)
+        out[t0:t0 + n] = top
+    return out
 
 
 def sample_topk_counts(rng: np.random.Generator, p_E, topk: int, num_ranks: int, tokens_per_rank: int,
@@ -342,10 +354,10 @@ def sample_topk_counts(rng: np.random.Generator, p_E, topk: int, num_ranks: int,
         hot = int(np.flatnonzero(order_E == hot)[0])
         forced_D = np.full(D, T, dtype=np.int64) if hot_frac >= 1 else rng.binomial(T, hot_frac, size=D)
     out_DE = np.zeros((D, E), dtype=np.int64)
-    if topk >= _GUMBEL_TOPK and 8 * topk >= E:
-        # the later choices would often repeat earlier ones, and the redraws grow with topk^2: from about
-        # an eighth of the experts on, drawing a key per expert costs less (timed at E = 512 and 4096)
-        out_DE[:, order_E] = _gumbel_topk_counts(rng, p_sorted, topk, T, forced_D, hot)
+    if gumbel_rule(topk, E):
+        for d in range(D):
+            picks_NK = gumbel_topk(rng, p_sorted, topk, T, np.arange(T) < forced_D[d], hot, ordered=False)
+            out_DE[d, order_E] = np.bincount(picks_NK.reshape(-1), minlength=E)
         return out_DE
     dist = _dist_cached(p_sorted.tobytes(), topk)  # sorted weights are the same for every layer and step
     Dc = max(1, _CHUNK_TOKENS // max(T, 1))

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..core.topology import Topology
+from ..core.workloads import gumbel_rule, gumbel_topk, skip_excluded
 from .rails import SCHEMES, _us, build_schedule, lower_bound_us, resource_loads, simulate_schedule
 from .traffic import TrafficError, check_ints, check_policy_slots, family, parse_traffic
 
@@ -66,7 +67,8 @@ def sample_routing(p_E, num_ranks: int, tokens_per_rank: int, topk: int, seed: i
     p_E: float [E] non-negative weights (normalized here), shared by all ranks. A token draws its
     experts one by one, each from p_E renormalized over the experts it has not picked yet. hot,
     hot_frac: with hot >= 0 each token's first pick is `hot` with probability hot_frac (the bursty
-    and one skews). Rank d draws from its own stream, seeded by (seed, d): deterministic.
+    and one skews). Rank d draws from its own stream, seeded by (seed, d): deterministic. A top-k that
+    core/workloads.py's gumbel_rule names draws the same model by the Gumbel-top-k trick.
     """
     p = np.asarray(p_E, dtype=np.float64)
     E, D, T, k = p.size, int(num_ranks), int(tokens_per_rank), int(topk)
@@ -82,7 +84,11 @@ def sample_routing(p_E, num_ranks: int, tokens_per_rank: int, topk: int, seed: i
     out = np.empty((D, T, k), dtype=np.uint16)
     for d in range(D):
         rng = np.random.default_rng([int(seed), d, _TAG])
-        out[d] = _sample_rank(rng, w, cum_end, T, k, hot, hot_frac)
+        if gumbel_rule(k, E):  # the same distribution, a key per expert: one by one would redraw ~k^2 times
+            forced_T = rng.random(T) < hot_frac if hot >= 0 and hot_frac > 0 else None
+            out[d] = gumbel_topk(rng, w, k, T, forced_T, hot)
+        else:
+            out[d] = _sample_rank(rng, w, cum_end, T, k, hot, hot_frac)
     return out
 
 
@@ -108,8 +114,7 @@ def _draw_excluding(rng, w_E, cum_start_E, cum_end_E, prev) -> np.ndarray:
     for _ in range(64):
         wex = w_E[ex]
         u = rng.random(todo.size) * (1.0 - wex.sum(axis=1))
-        for i in range(ex.shape[1]):
-            u += wex[:, i] * (u >= cum_start_E[ex[:, i]])
+        u = skip_excluded(u, wex.T, cum_start_E[ex].T)
         e = np.minimum(np.searchsorted(cum_end_E, u, side="right"), w_E.size - 1)
         clash = (ex == e[:, None]).any(axis=1)
         out[todo[~clash]] = e[~clash]
