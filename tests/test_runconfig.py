@@ -212,6 +212,11 @@ def test_kinds(tmp_path):
     assert "cannot tell the kind" in _errors(_write(tmp_path, "hello: 1\n", "x.yaml"))
     assert "x.yaml: gpus_per_nod: unknown key; did you mean 'gpus_per_node'?" in _errors(
         _write(tmp_path, "rails_per_node: 2\ngpus_per_nod: 4\n", "x.yaml"))
+    # every topology key has a default (docs/rails.md): a file of some of them is a topology
+    topo = load_any(_write(tmp_path, "nic_gbps: 100\n", "n.yaml"))
+    assert isinstance(topo, Topology) and topo.nic_gbps == 100 and topo.gpus_per_node == Topology().gpus_per_node
+    assert "'nic_gbps' is a topology key, but 'slots' is not" in _errors(
+        _write(tmp_path, "nic_gbps: 100\nslots: 2\n", "m.yaml"))
 
 
 def test_train_demo_accepts_mini_and_explains_the_rest():

@@ -74,7 +74,7 @@ Three kinds of YAML, one loader (`megatron_rails.config.run.load_any`, `megatron
 |------|-------|---------------|
 | run config | configs/mixtral/, configs/mini/, configs/deepseek/ | a `model`, `parallelism` or `training` key |
 | policy | configs/policies/ | its directory, or a `policy` key |
-| topology | configs/topology/ | its directory, or a `gpus_per_node` key |
+| topology | configs/topology/ | its directory, a `gpus_per_node` or `rails_per_node` key, or only topology keys (each has a default) |
 
 Every error names the file and the dotted key; unknown keys get a did-you-mean hint (also a misspelled key
 that hides the kind of a file, such as `polcy:`), and a topology lists all its bad keys at once. An empty

@@ -236,7 +236,8 @@ def apply_overrides(data: dict, overrides, kind: str, expand=None) -> tuple[dict
 
 
 # -- files ------------------------------------------------------------------------------------------
-KIND_HINT = "a run config has model/parallelism/training, a policy has 'policy', a topology has 'gpus_per_node'"
+KIND_HINT = ("a run config has model/parallelism/training, a policy has 'policy', a topology only topology keys "
+             "(gpus_per_node, nic_gbps, ...)")
 
 
 def _kind_by_keys(data: dict) -> str | None:
@@ -244,9 +245,14 @@ def _kind_by_keys(data: dict) -> str | None:
         return "run"
     if "policy" in data:
         return "policy"
-    if set(data) & {"gpus_per_node", "rails_per_node"}:
+    # every topology key has a default (docs/rails.md), so a file of some of them is a topology; one with
+    # its node shape is one whatever else it holds (its misspelled keys are then named as such)
+    if set(data) & {"gpus_per_node", "rails_per_node"} or data and set(data) <= _TOPOLOGY_KEYS:
         return "topology"
     return None
+
+
+_TOPOLOGY_KEYS = frozenset(f.name for f in dataclasses.fields(Topology))
 
 
 def _top_keys() -> list[str]:
@@ -268,9 +274,10 @@ def kind_of(path, data: dict) -> str:
     known = set(_top_keys())
     hints = [f"unknown key '{cut(str(k))}'{h}" for k in data
              if k not in known and (h := suggest(k, _top_keys())).startswith("; did you mean")]
-    needs = {"balancer": "a policy file names its policy (policy: fsep)",
-             "topology": "a topology file gives gpus_per_node"}
-    hints += [f"'{k}' is a {'policy' if section == 'balancer' else section} key, and {needs[section]}"
+    stray = [cut(str(k)) for k in data if k not in _TOPOLOGY_KEYS]
+    needs = {"balancer": "and a policy file names its policy (policy: fsep)",
+             "topology": f"but '{stray[0]}' is not" if stray else ""}
+    hints += [f"'{k}' is a {'policy' if section == 'balancer' else section} key, {needs[section]}"
               for k in data for section, cls in NESTED.items() if k in {f.name for f in dataclasses.fields(cls)}]
     raise ConfigError(f"{path}: cannot tell the kind of config: " + (hints[0] + " (" + KIND_HINT + ")" if hints
                                                                       else KIND_HINT))
