@@ -9,7 +9,9 @@ Megatron's parser and the dispatcher installed once Megatron has validated its a
 """
 from __future__ import annotations
 
+import os
 import sys
+from pathlib import Path
 
 USAGE = """usage: python -m megatron_rails.launch SCRIPT [ARGS...]
   SCRIPT  Megatron-LM's pretrain_gpt.py (or another script built on megatron.training)
@@ -24,14 +26,40 @@ def main(argv=None) -> int:
         print(USAGE, file=sys.stdout if argv else sys.stderr)
         return 0 if argv else 2
     from .core.policy import ConfigError
+
+    def error(why: str) -> int:
+        print(f"megatron_rails.launch: error: {why}", file=sys.stderr)
+        return 2
+
+    script = Path(argv[0])
+    if argv[0].startswith("-"):
+        return error(f"SCRIPT comes first, then its arguments (got the flag {argv[0]}); " + USAGE.splitlines()[0])
+    if not script.is_file():
+        return error(f"{argv[0]}: no such file (give the path to Megatron-LM's pretrain_gpt.py)")
+    # before anything imports megatron: the checkout's megatron.core must win over the pip package's,
+    # as under `python SCRIPT` (sys.path[0] is the script's directory), else its megatron.training
+    # would run against another megatron.core than it does without us
+    checkout_first(script)
     from .megatron.launch_hooks import LaunchError, run_script
 
     try:
         run_script(argv[0], argv[1:])
     except (LaunchError, ConfigError) as err:
-        print(f"megatron_rails.launch: error: {err}", file=sys.stderr)
-        return 2
+        return error(str(err))
     return 0
+
+
+def checkout_first(script: Path) -> None:
+    """sys.path as `python SCRIPT` has it, plus MEGATRON_LM_DIR (when set) right after the script's
+    directory: the places megatron.training, and the megatron.core beside it, come from."""
+    script_dir = str(script.resolve().parent)
+    if sys.path:
+        sys.path[0] = script_dir
+    else:
+        sys.path.insert(0, script_dir)
+    lm_dir = os.environ.get("MEGATRON_LM_DIR")
+    if lm_dir and lm_dir not in sys.path:
+        sys.path.insert(1, lm_dir)
 
 
 if __name__ == "__main__":

@@ -527,6 +527,48 @@ def test_launcher_finds_megatron_through_megatron_lm_dir(tmp_path):
     assert build_report(proc)["policy"]["policy"] == "lp"
 
 
+def test_launcher_takes_megatron_core_from_the_checkout(tmp_path):
+    # a checkout holds megatron/training and megatron/core: `python SCRIPT` imports the checkout's core (the
+    # script's directory is sys.path[0]), so must the launcher, although pip's megatron-core is installed
+    import megatron.core
+
+    lib, script = make_fake(tmp_path, "main")
+    checkout = tmp_path / "checkout"
+    (checkout / "megatron").mkdir(parents=True)
+    (checkout / "megatron" / "training").symlink_to(lib / "megatron" / "training", target_is_directory=True)
+    (checkout / "megatron" / "core").symlink_to(Path(megatron.core.__file__).parent, target_is_directory=True)
+    text = "import megatron.core as _core\nprint('CORE', _core.__file__)\n" + script.read_text()
+    (checkout / "pretrain_gpt.py").write_text(text)
+    (checkout / "report.py").write_text(script.with_name("report.py").read_text())
+    for argv, env in ((["--moe-balancer", "lp"], {}), (["--moe-balancer", "lp"], {"MEGATRON_LM_DIR": str(checkout)})):
+        where = checkout / "pretrain_gpt.py" if not env else script
+        if env:  # the checkout named by MEGATRON_LM_DIR, the script elsewhere
+            script.write_text(text)
+        proc = launch(where, "--num-experts", "8", "--moe-token-dispatcher-type", "alltoall", *argv, cwd=tmp_path,
+                      **env)
+        assert proc.returncode == 0, proc.stderr
+        core = [line for line in proc.stdout.splitlines() if line.startswith("CORE ")]
+        assert core == [f"CORE {checkout / 'megatron' / 'core' / '__init__.py'}"], proc.stdout
+        assert build_report(proc)["policy"]["policy"] == "lp"
+
+
+def test_launcher_names_a_megatron_core_version_mismatch(tmp_path):
+    lib, script = make_fake(tmp_path, "main")
+    init = lib / "megatron" / "training" / "__init__.py"
+    init.write_text("from megatron.core.rails_no_such_module import thing\n" + init.read_text())
+    proc = launch(script, "--moe-balancer", "fsep", pythonpath=str(lib), cwd=tmp_path)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "megatron.training needs megatron.core.rails_no_such_module, which the megatron.core in use lacks" \
+        in proc.stderr and "differ in version" in proc.stderr
+
+
+def test_launcher_script_comes_first(capsys):
+    from megatron_rails.launch import main
+
+    assert main(["--moe-balancer", "fsep", "pretrain_gpt.py"]) == 2
+    assert "SCRIPT comes first" in capsys.readouterr().err
+
+
 def test_launcher_under_torchrun(tmp_path):
     lib, script = make_fake(tmp_path, "core_v0.16")
     torchrun = Path(sys.executable).parent / "torchrun"

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import importlib.util
 import inspect
 import os
 import runpy
@@ -43,13 +44,24 @@ def import_megatron_training():
     if lm_dir and lm_dir not in sys.path:
         sys.path.insert(1 if sys.path else 0, lm_dir)
     try:
+        found = importlib.util.find_spec("megatron.training") is not None
+    except ImportError:  # no megatron package at all
+        found = False
+    if not found:
+        raise LaunchError("megatron.training is not importable: the megatron-core pip package does not contain "
+                          f"it, it comes from a Megatron-LM checkout; {CHECKOUT_HINT}")
+    try:
         import megatron.training as package
         from megatron.training import arguments, initialize, training
     except ImportError as err:
         missing = getattr(err, "name", None) or ""
-        if missing.startswith("megatron"):
-            raise LaunchError(f"megatron.training is not importable ({err}): the megatron-core pip package "
-                              f"does not contain it, it comes from a Megatron-LM checkout; {CHECKOUT_HINT}") from err
+        if missing.startswith("megatron.core"):
+            import megatron.core as core
+
+            raise LaunchError(f"megatron.training needs {missing}, which the megatron.core in use lacks "
+                              f"({os.path.dirname(core.__file__)}, version {getattr(core, '__version__', '?')}): "
+                              "the Megatron-LM checkout and megatron-core differ in version; use the checkout's "
+                              "own megatron/core or the pip release of its tag") from err
         raise LaunchError(f"megatron.training (Megatron-LM) failed to import: {err}; install Megatron-LM's "
                           "requirements into this environment") from err
     return package, arguments, initialize, training
