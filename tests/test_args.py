@@ -112,6 +112,15 @@ def test_flags_override_yaml(policy_yaml):
     assert PolicyConfig().window != 5
 
 
+def test_flags_apply_together():
+    # none.yaml has no slots; ultraep needs some: the flags that give both are one change, not two
+    cfg = policy_from_args(parse(["--rails-config", str(ROOT / "configs/policies/none.yaml"), "--moe-balancer",
+                                  "ultraep", "--moe-balancer-slots", "2"]))
+    assert (cfg.policy, cfg.slots) == ("ultraep", 2)
+    with pytest.raises(ConfigError, match="--moe-balancer 'ultraep' --moe-balancer-slots 0: slots: ultraep"):
+        policy_from_args(parse(["--moe-balancer", "ultraep", "--moe-balancer-slots", "0"]))
+
+
 def test_docs_precedence_example():
     """docs/megatron-lm.md: `--rails-config configs/policies/eplb.yaml --moe-balancer ultraep`."""
     cfg = policy_from_args(parse(["--rails-config", str(ROOT / "configs/policies/eplb.yaml"), "--moe-balancer",

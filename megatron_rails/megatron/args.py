@@ -91,21 +91,18 @@ def policy_from_args(args) -> PolicyConfig | None:
             raise ConfigError(f"{' and '.join(stray)} given without --moe-balancer or --rails-config: "
                               "name a policy with one of them")
         return None
+    cfg = PolicyConfig()
     if given["rails_config"] is not None:
         try:
             cfg = PolicyConfig.from_yaml(given["rails_config"])
         except ConfigError as err:
             raise ConfigError(f"--rails-config: {err}") from None
-    else:
-        cfg = PolicyConfig(policy=given["moe_balancer"])
-    for dest, (flag, key) in FLAGS.items():
-        if key is None or given[dest] is None:
-            continue
-        try:
-            cfg = dataclasses.replace(cfg, **{key: given[dest]})
-        except ConfigError as err:
-            raise ConfigError(f"{flag} {given[dest]!r}: {err}") from None
-    return cfg
+    flags = {dest: (flag, key) for dest, (flag, key) in FLAGS.items() if key is not None and given[dest] is not None}
+    try:  # all at once: the file's policy none (no slots) with --moe-balancer ultraep --moe-balancer-slots 2 is fine
+        return dataclasses.replace(cfg, **{key: given[dest] for dest, (_, key) in flags.items()})
+    except ConfigError as err:
+        named = " ".join(f"{flag} {given[dest]!r}" for dest, (flag, _) in flags.items())
+        raise ConfigError(f"{named}: {err}") from None
 
 
 def check_megatron_args(args, cfg: PolicyConfig) -> None:
