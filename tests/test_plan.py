@@ -129,3 +129,34 @@ def test_imbalance_and_weight_bytes():
     sh = Placement.sharded(2, 1, [[0, 1], [0]], slots=2)
     p2 = Plan.from_quotas(sh, [[4, 1], [0, 1]], [2, 2, 2])
     assert p2.weight_moves == 3 and p2.weight_bytes(1000) == 3 * 500
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+@pytest.mark.parametrize("policy", ["none", "eplb", "ultraep", "lp", "fsep"])
+def test_counts_past_what_a_plan_holds_are_refused(monkeypatch, compiled, policy):
+    # a total past 2^53 is no longer exact in the plans' float64 checks, and past 2^63 wraps in int64 sums:
+    # both are refused by name, by the compiled first passes and by numpy alike; 2^53 itself plans
+    import megatron_rails.core.plan as plan_mod
+    from megatron_rails.core.planners import PlannerConfig, make_planner
+
+    if not compiled:
+        monkeypatch.setattr(plan_mod, "_COUNT_SUMS", None)
+
+    def plan(counts):
+        planner = make_planner(policy, PlannerConfig(2, 2, 2, 1))
+        if not compiled and hasattr(planner, "_kernel"):
+            planner._kernel = None
+        return planner.plan(np.asarray(counts))[0]
+
+    p = plan([[2**51, 2**51], [2**51, 2**51]])  # exactly 2^53
+    assert p.load_D.sum() == 2**53 and p.load_D.max() == 2**52
+    for counts in ([[2**51, 2**51], [2**51, 2**51 + 1]], [[2**62, 0], [2**62, 0]], [[2**63 - 1, 0], [1, 0]]):
+        with pytest.raises(PlanError, match="more than the 2\\^53 a plan holds exactly"):
+            plan(counts)
+    bad = [(np.full((2, 2), 1e20), "beyond int64"), (np.array([[2**63 + 5, 0], [0, 0]], dtype=np.uint64),
+           "beyond int64"), (np.array([[True, False], [False, True]]), "integers, got dtype bool"),
+           (np.array([[1, 2], [3, 4]], dtype=object), "integers, got dtype object"),
+           (np.array([[1 + 0j, 2], [3, 4]]), "integers, got dtype complex128")]
+    for counts, words in bad:
+        with pytest.raises(PlanError, match=words):
+            plan(counts)

@@ -342,9 +342,11 @@ fail:
 }
 
 /* count_sums(counts, D, E, load_out) -> -1 where an entry of counts (int64 [D, E], read) is
- * negative, else 0; load_out (int64 [E], written) := its column sums: every planner's first look
- * at the counts (plan.py counts_and_load). Two numpy reductions over a few dozen entries cost more
- * than the arithmetic by far when the host's caches are cold, as between a training step's plans. */
+ * negative, -2 where they total more than 2^53 (the most the planners' float64 checks hold exactly),
+ * else 0; load_out (int64 [E], written) := its column sums: every planner's first look at the counts
+ * (plan.py counts_and_load). Two numpy reductions over a few dozen entries cost more than the
+ * arithmetic by far when the host's caches are cold, as between a training step's plans. */
+#define MAX_COUNT_TOTAL (((uint64_t)1) << 53)
 static PyObject *count_sums(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
     if (nargs != 4) {
@@ -365,14 +367,20 @@ static PyObject *count_sums(PyObject *self, PyObject *const *args, Py_ssize_t na
     }
     const int64_t *x = c.buf;
     int64_t *load = out.buf, bits = 0; /* the OR of every count: negative iff one is */
-    for (int64_t e = 0; e < E; e++) load[e] = 0;
+    /* column sums wrap (unsigned) rather than overflow where the total is refused anyway; the total
+     * stops growing once past the bound, each entry checked first, so it never wraps itself */
+    uint64_t *sum = (uint64_t *)load, total = 0;
+    for (int64_t e = 0; e < E; e++) sum[e] = 0;
     for (int64_t d = 0; d < D; d++) {
         const int64_t *row = x + d * E;
-        for (int64_t e = 0; e < E; e++) load[e] += row[e], bits |= row[e]; /* vectorizes */
+        for (int64_t e = 0; e < E; e++) sum[e] += (uint64_t)row[e], bits |= row[e]; /* vectorizes */
+        if (total <= MAX_COUNT_TOTAL)
+            for (int64_t e = 0; e < E && total <= MAX_COUNT_TOTAL; e++)
+                total = (uint64_t)row[e] > MAX_COUNT_TOTAL ? MAX_COUNT_TOTAL + 1 : total + (uint64_t)row[e];
     }
     PyBuffer_Release(&c);
     PyBuffer_Release(&out);
-    return PyLong_FromLongLong(bits < 0 ? -1 : 0);
+    return PyLong_FromLongLong(bits < 0 ? -1 : total > MAX_COUNT_TOTAL ? -2 : 0);
 }
 
 /* rank_sums(rank_R, quota_R, R, D, load_out) -> (max, sum) of load_out (int64 [D], written) :=

@@ -22,7 +22,7 @@ from typing import Sequence
 import numpy as np
 
 from .compiled import compiled
-from .errors import PlanError
+from .errors import PlanError, shown
 from .route import route_and_sends
 
 OWNER = "owner"      # stock EP owners in the first `owner_slots` slots, redundant replicas after them
@@ -40,9 +40,13 @@ def _frozen_i64(a, name: str, ndim: int) -> np.ndarray:
     arr = np.asarray(a)
     if arr.ndim != ndim:
         raise PlanError(f"{name} must be {ndim}-D, got shape {arr.shape}")
-    if arr.dtype.kind not in "iu" and arr.size:  # kinds i, u are exactly np.integer
+    if arr.dtype.kind not in "iuf" and (arr.size or arr.dtype.kind != "b"):  # bool, complex, object, text
+        raise PlanError(f"{name} must hold integers, got dtype {arr.dtype}")
+    if arr.dtype.kind == "f" and arr.size:
         if not np.all(np.isfinite(arr)) or np.any(arr != np.round(arr)):
             raise PlanError(f"{name} must hold integers, got dtype {arr.dtype}")
+    if arr.dtype.kind in "uf" and arr.size and np.abs(arr).max() >= 2.0**63:  # would wrap in int64
+        raise PlanError(f"{name} holds {shown(arr.flat[np.argmax(np.abs(arr))])}, beyond int64")
     arr = np.array(arr, dtype=np.int64, copy=True, order="C")
     arr.flags.writeable = False
     return arr
@@ -57,10 +61,21 @@ def check_counts(counts_DE, num_ranks: int | None = None, num_experts: int | Non
         raise PlanError(f"counts_DE has {counts.shape[0]} rows, expected one per rank ({num_ranks})")
     if num_experts is not None and counts.shape[1] != num_experts:
         raise PlanError(f"counts_DE has {counts.shape[1]} columns, expected one per expert ({num_experts})")
-    if nonnegative and counts.size and counts.min() < 0:
-        d, e = np.argwhere(counts < 0)[0]
-        raise PlanError(f"counts_DE[{d}, {e}] = {counts[d, e]} is negative")
+    if nonnegative and counts.size:
+        if counts.min() < 0:
+            d, e = np.argwhere(counts < 0)[0]
+            raise PlanError(f"counts_DE[{d}, {e}] = {counts[d, e]} is negative")
+        if counts.max() > MAX_COUNT_TOTAL // counts.size:  # else the total cannot pass it: no exact sum needed
+            _check_total(int(np.sum(counts, dtype=object)))
     return counts
+
+
+MAX_COUNT_TOTAL = 2**53  # tokens in one counts matrix: exact in int64 sums and the float64 checks of a plan
+
+
+def _check_total(total: int) -> None:
+    if total > MAX_COUNT_TOTAL:
+        raise PlanError(f"counts_DE totals {total:.4g} tokens, more than the 2^53 a plan holds exactly")
 
 
 _COUNT_SUMS = compiled("megatron_rails.core._route_c", "count_sums")  # None: numpy below
@@ -79,7 +94,7 @@ def counts_and_load(counts_DE, num_ranks: int, num_experts: int) -> tuple[np.nda
     counts = check_counts(counts_DE, num_ranks, num_experts, nonnegative=False)
     load_E = np.empty(num_experts, dtype=np.int64)
     if _COUNT_SUMS(counts, num_ranks, num_experts, load_E) < 0:  # D, E >= 1: never empty
-        check_counts(counts)  # raises, naming the negative entry
+        check_counts(counts)  # raises, naming the negative entry or the total
     return counts, load_E
 
 

@@ -33,13 +33,13 @@ import numpy as np
 
 from .errors import InputError, check_file, cut, reason, shown
 from .outfile import open_for_writing, write_text
-from .plan import PlanError, check_counts
+from .plan import MAX_COUNT_TOTAL, PlanError, check_counts
 
 SKEW_FORMS = "uniform | zipf:S | drift:S[:P] | bursty:S[:F[:R]] | one | file:PATH"
 MAX_S = 10.0                        # zipf exponent cap; steeper tails vanish below float64 resolution
 DRIFT_PERIOD = 100                  # default P
 BURST_FRAC, BURST_RATE = 0.5, 0.25  # default F, R
-MAX_TOTAL = 2**53                   # tokens in one counts matrix: exact in int64 sums and float64 means
+MAX_TOTAL = MAX_COUNT_TOTAL         # tokens in one counts matrix: exact in int64 sums and float64 means
 MIN_WEIGHT = 1e-12                  # the topk-th largest routing weight must reach this (relative to the sum)
 _CELLS = 1 << 16                    # lookup-table cells (16 random bits per draw)
 _MARK = 0xFFFF                      # table entry for a cell that straddles experts

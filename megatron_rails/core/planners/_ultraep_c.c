@@ -16,7 +16,8 @@
  *                                          in (expert, rank) order: expert, rank, slot, quota)
  *   info     int64 [4]                    (written: T = ceil(mean), max stock rank load, exports X, total)
  * codes: 0 STOCK (keep the stock layout), 1 CASCADE (slot_DS, table written), 2 GAVE_UP (the cascade
- * cannot split some carry at taker cuts: search thresholds in Python), -1 a negative count.
+ * cannot split some carry at taker cuts: search thresholds in Python), -1 a negative count (or a total
+ * past 2^53).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -183,18 +184,24 @@ out:
     return rc;
 }
 
-/* load_E[e] = sum over d of counts[d, e]; returns the OR of all counts (negative iff one is) */
+/* load_E[e] = sum over d of counts[d, e]; returns the OR of all counts (negative iff one is), or -1
+ * where they total more than 2^53 (then plan.py's check_counts names the problem, as for a negative
+ * count). Sums wrap (unsigned) rather than overflow where the total is refused anyway. */
+#define MAX_COUNT_TOTAL (((uint64_t)1) << 53)
 static int64_t sum_columns(const int64_t *restrict counts, int64_t D, int64_t E, int64_t *restrict load_E) {
     int64_t sign = 0;
-    for (int64_t e = 0; e < E; e++) load_E[e] = counts[e], sign |= counts[e];
-    for (int64_t d = 1; d < D; d++) {
+    uint64_t *restrict sum = (uint64_t *)load_E, total = 0;
+    for (int64_t e = 0; e < E; e++) sum[e] = 0;
+    for (int64_t d = 0; d < D; d++) {
         const int64_t *restrict row = counts + d * E;
         for (int64_t e = 0; e < E; e++) {
-            load_E[e] += row[e];
+            sum[e] += (uint64_t)row[e];
             sign |= row[e];
         }
+        for (int64_t e = 0; e < E && total <= MAX_COUNT_TOTAL; e++)
+            total = (uint64_t)row[e] > MAX_COUNT_TOTAL ? MAX_COUNT_TOTAL + 1 : total + (uint64_t)row[e];
     }
-    return sign;
+    return total > MAX_COUNT_TOTAL ? -1 : sign;
 }
 
 static int get_buffer(PyObject *obj, Py_buffer *view, Py_ssize_t n, int writable, const char *name) {

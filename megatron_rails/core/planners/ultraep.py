@@ -74,7 +74,7 @@ class UltraEPPlanner(PlannerBase):
         info = np.empty(4, dtype=np.int64)
         code = self._kernel(counts, D, E, cfg.ranks_per_node, cfg.slots, self.tol_limit, load_E, se, table, info)
         if code < 0:
-            check_counts(counts, D, E)  # raises, naming the negative entry
+            check_counts(counts, D, E)  # raises, naming the negative entry or the total
         lo, X = int(info[0]), int(info[2])
         if code == _STOCK:  # the kernel already judged it: nothing to export (or within tolerance)
             return self._stock_plan(counts, load_E, lo, int(info[1]), "stock"), None
