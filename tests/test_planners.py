@@ -150,6 +150,24 @@ def test_unknown_policy():
         make_planner("nope", PlannerConfig(4, 4, 4, 1))
 
 
+def test_make_planner_takes_a_planner_config():
+    from megatron_rails.core.policy import PolicyConfig
+
+    with pytest.raises(TypeError, match=r"takes a PlannerConfig, got PolicyConfig .*planner_config\(num_ranks"):
+        make_planner("ultraep", PolicyConfig())
+    with pytest.raises(TypeError, match="takes a PlannerConfig, got dict"):
+        make_planner("ultraep", {"num_ranks": 4})
+
+
+def test_policy_config_takes_numpy_numbers_as_plain_ones():
+    from megatron_rails.core.policy import PolicyConfig
+
+    cfg = PolicyConfig(policy="ultraep", slots=np.int64(2), tolerance=np.float32(0.25), dedup=np.bool_(False))
+    assert cfg == PolicyConfig(policy="ultraep", slots=2, tolerance=0.25, dedup=False)
+    assert type(cfg.slots) is int and type(cfg.tolerance) is float and type(cfg.dedup) is bool
+    assert PolicyConfig.from_dict({"policy": "eplb", "window": np.int32(5)}).window == 5
+
+
 @pytest.mark.parametrize("bad", [dict(num_ranks=0), dict(slots=-1), dict(ranks_per_node=3),
                                  dict(num_experts=0), dict(window=0), dict(tolerance=-0.1),
                                  dict(tolerance=1.5), dict(tolerance="0.1"), dict(tolerance=True)])

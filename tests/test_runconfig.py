@@ -314,3 +314,22 @@ def test_megatron_lm_accepts_the_flags(path, monkeypatch):
     ns.world_size, ns.rank = rc.world_size, 0
     arguments.validate_args(ns)
     assert ns.data_parallel_size == rc.data_parallel_size and ns.num_experts == rc.model.num_experts
+
+
+def test_a_directory_never_hides_a_preset(tmp_path, monkeypatch):
+    # a run directory called `default` or `dgx-h100` in the working directory: the bare names still mean
+    # the presets; a regular file of that name is read as the file (./NAME or not)
+    from megatron_rails.core.policy import as_policy
+    from megatron_rails.core.topology import load_topology
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "default").mkdir()
+    (tmp_path / "dgx-h100").mkdir()
+    assert as_policy("default") == PolicyConfig()
+    assert load_topology("dgx-h100").name == "dgx-h100"
+    (tmp_path / "cpu-2x2").mkdir()  # the mini config's topology: cpu-2x2
+    run = load_any(MINI, ["balancer=default"])
+    assert run.topology.name == "cpu-2x2" and run.topology.gpus_per_node == load_topology("cpu-2x2").gpus_per_node
+    assert run.balancer.policy == PolicyConfig().policy and run.balancer.slots == PolicyConfig().slots
+    (tmp_path / "eplb").write_text("policy: ultraep\n")
+    assert as_policy("eplb").policy == "ultraep"

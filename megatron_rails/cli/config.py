@@ -39,12 +39,12 @@ def resolve_file(path: str) -> str:
 
     from ..core import presets
 
-    if Path(path).suffix or Path(path).exists():
-        return path
     for d in (presets.POLICY_DIR, presets.TOPOLOGY_DIR):
-        found = presets.find(d, path)
+        found = presets.meant(d, path)
         if found is not None:
             return str(found)
+    if Path(path).suffix or Path(path).exists():
+        return path
     from ..core.policy import ConfigError
 
     raise ConfigError(f"{path}: file not found, and no preset has that name ({preset_list()})")

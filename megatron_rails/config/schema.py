@@ -13,6 +13,7 @@ import types
 import typing
 from pathlib import Path
 
+from ..core import presets
 from ..core.errors import cut, shown
 from ..core.policy import ConfigError, number_text
 from ..core.policy import suggest as _suggest
@@ -155,8 +156,9 @@ def resolve_ref(ref: str, base: Path, preset_dir: Path, root: Path | None) -> Pa
     """A referenced YAML: a preset name (no suffix), or a path relative to the cwd, the referring
     file's directory or `root` (a source checkout; None for none), in that order."""
     p = Path(ref)
-    if not p.suffix and not p.exists() and (preset_dir / f"{ref}.yaml").is_file():
-        return preset_dir / f"{ref}.yaml"
+    preset = presets.meant(preset_dir, ref)
+    if preset is not None:
+        return preset
     for cand in ([p] if p.is_absolute() else [p, base / p] + ([root / p] if root else [])):
         if cand.is_file():
             return cand

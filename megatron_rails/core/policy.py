@@ -130,6 +130,7 @@ class PolicyConfig:
     def __post_init__(self):
         from .planners import POLICIES
 
+        self._plain_numbers()
         if self.policy not in POLICIES:
             raise ConfigError(f"policy: unknown policy {shown(self.policy)}; choose one of {', '.join(POLICIES)}")
         if self.comm not in COMMS:
@@ -159,6 +160,18 @@ class PolicyConfig:
         for key in ("check_plan", "dedup"):
             if not isinstance(getattr(self, key), bool):
                 raise ConfigError(f"{key}: expected true or false, got {shown(getattr(self, key))}")
+
+    def _plain_numbers(self) -> None:
+        """numpy scalars (a sweep's np.arange, a tolerance from np.linspace) as the built-in values they
+        stand for, so that checks, equality, hashes and YAML dumps treat them alike."""
+        import numpy as np
+
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            plain = bool(v) if isinstance(v, np.bool_) else int(v) if isinstance(v, np.integer) else \
+                float(v) if isinstance(v, np.floating) else v
+            if plain is not v:
+                object.__setattr__(self, f.name, plain)
 
     @classmethod
     def from_dict(cls, data: dict, where: str = "<dict>") -> "PolicyConfig":
@@ -208,10 +221,10 @@ def as_policy(cfg, build=from_mapping) -> PolicyConfig:
         if not str(cfg).strip():  # Path("") is ".", the working directory
             raise ConfigError(f"an empty policy; presets: {', '.join(presets.names(presets.POLICY_DIR))} "
                               "(or give a path to a YAML file)")
-        preset = presets.find(presets.POLICY_DIR, str(cfg)) if not Path(cfg).suffix else None
+        preset = presets.meant(presets.POLICY_DIR, cfg)
         if preset is None and not Path(cfg).suffix and not Path(cfg).exists():
             raise ConfigError(f"unknown policy preset {shown(str(cfg))}; presets: "
                               f"{', '.join(presets.names(presets.POLICY_DIR))} (or give a path to a YAML file)")
-        return PolicyConfig.from_yaml(preset if preset is not None and not Path(cfg).exists() else cfg, build)
+        return PolicyConfig.from_yaml(preset if preset is not None else cfg, build)
     raise TypeError(f"a policy is a PolicyConfig, a dict, a YAML path or a preset name "
                     f"({', '.join(presets.names(presets.POLICY_DIR))}), got {type(cfg).__name__}")

@@ -19,3 +19,11 @@ def find(preset_dir: Path, name: str) -> Path | None:
     """The preset file for `name` (no suffix), or None."""
     p = preset_dir / f"{name}.yaml"
     return p if "/" not in name and p.is_file() else None
+
+
+def meant(preset_dir: Path, ref) -> Path | None:
+    """The preset `ref` names, or None where it is a path: a bare name without suffix that names a
+    preset means it unless a regular file of that name is in the way (a directory of that name, as
+    a run directory called `default` would be, never hides a preset; write ./NAME for the file)."""
+    p = Path(ref)
+    return None if p.suffix or p.is_file() else find(preset_dir, str(ref))

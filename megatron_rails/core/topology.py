@@ -119,12 +119,10 @@ def load_topology(name_or_path) -> Topology:
         return name_or_path
     if not str(name_or_path).strip():
         raise ConfigError(f"an empty topology; presets: {', '.join(presets())} (or give a path to a YAML file)")
-    p = Path(name_or_path)
+    p = _presets.meant(PRESET_DIR, name_or_path) or Path(name_or_path)
     if not p.suffix and not p.exists():
-        p = PRESET_DIR / f"{name_or_path}.yaml"
-        if not p.is_file():
-            raise ConfigError(f"unknown topology {name_or_path!r}; presets: {', '.join(presets())} "
-                              f"(or give a path to a YAML file)")
+        raise ConfigError(f"unknown topology {name_or_path!r}; presets: {', '.join(presets())} "
+                          f"(or give a path to a YAML file)")
     data = read_mapping(p, ConfigError, "topology", "a topology sets at least one of its keys (gpus_per_node, rails_per_node, nic_gbps, ...; "
                                                           "each has a default)")
     kind = "run" if set(data) & {"model", "parallelism", "training"} else \

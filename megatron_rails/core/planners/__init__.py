@@ -22,6 +22,10 @@ def make_planner(name: str, cfg: PlannerConfig) -> PlannerBase:
         cls = PLANNERS[name]
     except KeyError:
         raise PlannerError(f"unknown policy {name!r}; choose one of {', '.join(POLICIES)}") from None
+    if not isinstance(cfg, PlannerConfig):  # a PolicyConfig lacks the shape: it becomes one with D and E
+        hint = (" (a PolicyConfig gives one: policy.planner_config(num_ranks, num_experts))"
+                if type(cfg).__name__ == "PolicyConfig" else "")
+        raise TypeError(f"make_planner takes a PlannerConfig, got {type(cfg).__name__}{hint}")
     return cls(cfg)
 
 
