@@ -86,3 +86,26 @@ def test_a_long_list_without_aliases_is_no_alias_bomb():
         f"{c}: &{c} [{', '.join([f'*{p}'] * 10)}]\n" for p, c in zip("abcd", "bcde"))
     with pytest.raises(YamlShapeError, match="aliases"):
         parse(bomb)
+
+
+@pytest.mark.parametrize("text,value", [
+    ("010", 10), ("0o10", 8), ("0x1f", 31), ("1_000", 1000), ("-5", -5), ("true", True), ("False", False),
+    ("yes", "yes"), ("off", "off"), ("On", "On"), ("2:00", "2:00"), ("1:30.5", "1:30.5"), ("1.5", 1.5),
+    ("6.02e+23", 6.02e23)])
+def test_yaml_scalars_read_as_yaml_1_2(text, value):
+    # YAML 1.1 (PyYAML) read 010 as 8, 2:00 as 120, 1:30.5 as 90.5 and yes/on as true: a config that says
+    # `slots: 2:00` ran with 120 slots; now it is text, which the key's type check refuses
+    from megatron_rails.core.yamlfile import parse
+
+    got = parse(f"a: {text}")["a"]
+    assert got == value and type(got) is type(value)
+
+
+def test_yaml_1_1_forms_are_refused_where_a_number_or_boolean_belongs(tmp_path):
+    for body, words in (("slots: 2:00", "slots: expected integer, got '2:00'"),
+                        ("check_plan: yes", "check_plan: expected true or false, got 'yes'")):
+        path = tmp_path / "p.yaml"
+        path.write_text(f"policy: ultraep\n{body}\n")
+        with pytest.raises(ConfigError, match=words):
+            from megatron_rails.config.run import load_any
+            load_any(path)

@@ -50,7 +50,37 @@ def _loader():
                 seen[key] = key_node.start_mark.line
             return super().construct_mapping(node, deep=deep)
 
+    _yaml12_scalars(UniqueKeyLoader)
     return UniqueKeyLoader
+
+
+BOOL, INT, FLOAT = "tag:yaml.org,2002:bool", "tag:yaml.org,2002:int", "tag:yaml.org,2002:float"
+
+
+def _yaml12_scalars(loader) -> None:
+    """Booleans and numbers as YAML 1.2 reads them, not 1.1 (PyYAML's): `yes`, `no`, `on`, `off` stay text
+    and only true/false are booleans; `2:00` and `1:30.5` (1.1: sexagesimal 120 and 90.5) stay text;
+    `010` is ten, not 1.1's octal eight (0o10, 0x1f and 1_000 are read as Python reads them). A config
+    that says `slots: 2:00` or `window: 010` is then refused or read as written, never silently as
+    another number."""
+    import re
+
+    loader.yaml_implicit_resolvers = {
+        first: [(tag, rx) for tag, rx in resolvers if tag not in (BOOL, INT, FLOAT)]
+        for first, resolvers in loader.yaml_implicit_resolvers.items()}
+    loader.add_implicit_resolver(FLOAT, re.compile(  # PyYAML's, less its sexagesimal form (1:30.5)
+        r"^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+][0-9]+)?|\.[0-9][0-9_]*(?:[eE][-+][0-9]+)?"
+        r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"), list("-+0123456789."))
+    loader.add_implicit_resolver(BOOL, re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
+    loader.add_implicit_resolver(
+        INT, re.compile(r"^[-+]?(?:[0-9](?:_?[0-9])*|0o[0-7](?:_?[0-7])*|0x[0-9a-fA-F](?:_?[0-9a-fA-F])*)$"),
+        list("-+0123456789"))
+
+    def construct_int(self, node):
+        text = self.construct_scalar(node)
+        return int(text, 0) if re.match(r"^[-+]?0[ox]", text) else int(text, 10)
+
+    loader.add_constructor(INT, construct_int)
 
 
 def _where(path: list) -> str:
