@@ -6,8 +6,8 @@
 
 The model/parallelism/training/data sections become pretrain_gpt.py flags (RunConfig.megatron_args);
 flags after `--` are appended (Megatron's parser keeps the last value of a repeated flag). The resolved
-balancer is written as a policy YAML (under $RUN_DIR, else the temp directory) and passed as
-`--rails-config`, so megatron_rails.launch installs it once Megatron has validated its arguments and
+balancer is written as a policy YAML named by its content (under $RUN_DIR, else the temp directory) and
+passed as `--rails-config`, so megatron_rails.launch installs it once Megatron has validated its arguments and
 checks it against them; `balancer: null` passes none and Megatron stays stock. The Megatron-LM checkout
 (the directory holding pretrain_gpt.py) comes from --megatron-lm or MEGATRON_LM_DIR.
 """
@@ -23,17 +23,22 @@ from pathlib import Path
 
 
 def balancer_file(balancer) -> str:
-    """The resolved PolicyConfig as a YAML file for --rails-config (one file per process)."""
+    """The resolved PolicyConfig as a YAML file for --rails-config, named by its content: every process of
+    a run, and every --print-args of the same config, writes (atomically) and passes the same file,
+    instead of one more temporary file each."""
+    import hashlib
+
     import yaml
 
-    where = os.environ.get("RUN_DIR") or None
-    if where:
-        Path(where).mkdir(parents=True, exist_ok=True)
-    fd, path = tempfile.mkstemp(prefix="balancer-", suffix=".yaml", dir=where)
-    with os.fdopen(fd, "w") as f:
-        f.write("# resolved from the run config by megatron_rails.pretrain\n")
-        yaml.safe_dump(dataclasses.asdict(balancer), f, sort_keys=False)
-    return path
+    from .core.outfile import write_text
+
+    text = "# resolved from the run config by megatron_rails.pretrain\n" + \
+        yaml.safe_dump(dataclasses.asdict(balancer), sort_keys=False)
+    where = Path(os.environ.get("RUN_DIR") or tempfile.gettempdir())
+    where.mkdir(parents=True, exist_ok=True)
+    path = where / f"balancer-{hashlib.sha256(text.encode()).hexdigest()[:12]}.yaml"
+    write_text(path, text)
+    return str(path)
 
 
 def launch_argv(rc, script: str, extra=()) -> list[str]:
@@ -54,8 +59,9 @@ def main(argv=None) -> int:
     ap.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     args = ap.parse_args(argv)
 
-    from .core.policy import ConfigError
     from .config.run import load_run_config
+    from .core.errors import reason
+    from .core.policy import ConfigError
 
     def fail(msg: str) -> int:
         print(f"megatron_rails.pretrain: error: {msg}", file=sys.stderr)
@@ -69,18 +75,27 @@ def main(argv=None) -> int:
         return fail(f"{args.run_config}: parallelism.backend is {rc.parallelism.backend}; CPU (gloo) run configs "
                     "run with megatron_rails.demo.train")
     script = str(Path(args.megatron_lm or "Megatron-LM") / "pretrain_gpt.py")
-    if args.print_args:
-        print(shlex.join(["python", "-m", "megatron_rails.launch", *launch_argv(rc, script, extra)]))
-        return 0
     world = os.environ.get("WORLD_SIZE")
-    if world is not None and int(world) != rc.world_size:
-        return fail(f"{args.run_config}: the run config is for {rc.world_size} ranks (parallelism.nodes x "
-                    f"topology.gpus_per_node), torchrun started {world}")
-    if not Path(script).is_file():
+    if not args.print_args and world is not None:
+        if not world.strip().isdigit():
+            return fail(f"WORLD_SIZE={world!r} is not a rank count (torchrun sets it; unset it or fix it)")
+        if int(world) != rc.world_size:
+            return fail(f"{args.run_config}: the run config is for {rc.world_size} ranks (parallelism.nodes x "
+                        f"topology.gpus_per_node), torchrun started {world}")
+    if not args.print_args and not Path(script).is_file():
         return fail(f"{script} not found: pass --megatron-lm DIR or set MEGATRON_LM_DIR to a Megatron-LM checkout")
+    try:
+        launch_args = launch_argv(rc, script, extra)
+    except OSError as err:  # RUN_DIR a file, unwritable, ...
+        where = os.environ.get("RUN_DIR") or tempfile.gettempdir()
+        return fail(f"cannot write the balancer's policy file under {where} "
+                    f"({'RUN_DIR' if os.environ.get('RUN_DIR') else 'the temp directory'}): {reason(err)}")
+    if args.print_args:
+        print(shlex.join(["python", "-m", "megatron_rails.launch", *launch_args]))
+        return 0
     from .launch import main as launch
 
-    return launch(launch_argv(rc, script, extra))
+    return launch(launch_args)
 
 
 if __name__ == "__main__":

@@ -294,6 +294,26 @@ def test_pretrain_print_args(tmp_path):
     assert cpu.returncode == 2 and "CPU (gloo) run configs run with megatron_rails.demo.train" in cpu.stderr
 
 
+
+def test_pretrain_policy_file_and_environment_errors(tmp_path):
+    def pretrain(*argv, **env):
+        return subprocess.run([sys.executable, "-m", "megatron_rails.pretrain", "--run-config", str(M8x7), *argv],
+                              capture_output=True, text=True, timeout=120, env=dict(os.environ, **env))
+
+    # the same config gives the same file, not one more each time (processes of a run, repeated --print-args)
+    first, again = (pretrain("--print-args", RUN_DIR=str(tmp_path)) for _ in range(2))
+    assert first.returncode == 0 and first.stdout == again.stdout
+    assert [p.name for p in tmp_path.iterdir()] == [Path(first.stdout.split("--rails-config ")[1].split()[0]).name]
+    other = pretrain("--print-args", "balancer.slots=2", RUN_DIR=str(tmp_path))
+    assert other.stdout != first.stdout and len(list(tmp_path.iterdir())) == 2
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    for argv, env, words in ((["--print-args"], {"RUN_DIR": str(afile)}, "cannot write the balancer's policy file"),
+                             ([], {"WORLD_SIZE": "abc"}, "WORLD_SIZE='abc' is not a rank count")):
+        p = pretrain(*argv, **env)
+        assert p.returncode == 2 and words in p.stderr and "Traceback" not in p.stderr, p.stderr
+
+
 @pytest.mark.skipif(not os.environ.get("MEGATRON_LM_DIR"), reason="set MEGATRON_LM_DIR to a Megatron-LM checkout "
                     "to check the generated flags with Megatron-LM's own parse_args/validate_args")
 @pytest.mark.parametrize("path", [M8x7, M8x22], ids=lambda p: p.name)
