@@ -353,3 +353,15 @@ def test_a_directory_never_hides_a_preset(tmp_path, monkeypatch):
     assert run.balancer.policy == PolicyConfig().policy and run.balancer.slots == PolicyConfig().slots
     (tmp_path / "eplb").write_text("policy: ultraep\n")
     assert as_policy("eplb").policy == "ultraep"
+
+
+@pytest.mark.parametrize("override,words", [
+    ("training.save=--load", "training.save: '--load': an empty value or one starting with '-' is no value for --save"),
+    ("data.data_path=[a, '--lr', b]", "is no value for --data-path"),
+    ("training.save=''", "training.save: '': an empty value"),
+    ("training.adam_beta2=1.5", "training.adam_beta2: must be < 1, got 1.5"),
+    ("model.attention_dropout=1", "model.attention_dropout: must be < 1, got 1.0")])
+def test_values_megatron_lm_would_misread_or_refuse_late(override, words):
+    # a value starting with '-' became a flag of its own on pretrain_gpt.py's command line ('--save --load');
+    # torch refuses beta or dropout >= 1 only after minutes of start-up
+    assert words in _errors(M8x7, [override])

@@ -31,8 +31,10 @@ _ROOT = Path(__file__).resolve().parents[2]
 REPO_DIR = _ROOT if (_ROOT / "pyproject.toml").is_file() and (_ROOT / "configs").is_dir() else None
 
 
-def _f(default=dataclasses.MISSING, doc: str = "", *, megatron: bool = True, choices=None, minimum=None):
-    return field(default=default, metadata={"doc": doc, "megatron": megatron, "choices": choices, "min": minimum})
+def _f(default=dataclasses.MISSING, doc: str = "", *, megatron: bool = True, choices=None, minimum=None, below=None):
+    """below: values must stay under it (Adam's betas, dropout: torch refuses 1 after minutes of start-up)."""
+    return field(default=default, metadata={"doc": doc, "megatron": megatron, "choices": choices, "min": minimum,
+                                            "below": below})
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -65,8 +67,8 @@ class ModelConfig:
     disable_bias_linear: bool = _f(True, "no biases in linear layers")
     untie_embeddings_and_output_weights: bool = _f(True)
     init_method_std: float = _f(0.02, minimum=0)
-    hidden_dropout: float = _f(0.0, minimum=0)
-    attention_dropout: float = _f(0.0, minimum=0)
+    hidden_dropout: float = _f(0.0, minimum=0, below=1)
+    attention_dropout: float = _f(0.0, minimum=0, below=1)
     transformer_impl: str = _f("transformer_engine", "layer implementation; local needs no Transformer Engine",
                                choices=("transformer_engine", "local"))
     router_skew: float = _f(0.0, "demo trainer only (not a Megatron argument): logit bias of the hottest "
@@ -106,8 +108,8 @@ class TrainingConfig:
     lr_warmup_iters: int = _f(0, minimum=0)
     weight_decay: float = _f(0.1, minimum=0)
     clip_grad: float = _f(1.0, minimum=0)
-    adam_beta1: float = _f(0.9, minimum=0)
-    adam_beta2: float = _f(0.95, minimum=0)
+    adam_beta1: float = _f(0.9, minimum=0, below=1)
+    adam_beta2: float = _f(0.95, minimum=0, below=1)
     seed: int = _f(1234, minimum=0)
     bf16: bool = _f(False)
     fp16: bool = _f(False)

@@ -108,6 +108,14 @@ def build(cls, data, where: str, prefix: str, errors: list, origin: dict | None 
                 + (hint if "did you mean" in hint else ""))
         elif v is not None and meta.get("min") is not None and v < meta["min"]:
             err(name, f"must be >= {meta['min']}, got {shown(v)}")
+        elif v is not None and meta.get("below") is not None and v >= meta["below"]:
+            err(name, f"must be < {meta['below']}, got {shown(v)}")
+        elif own and meta.get("megatron") and any(isinstance(x, str) and (not x.strip() or x.startswith("-"))
+                                                  for x in (v if isinstance(v, list) else [v])):
+            # it becomes a flag's value on Megatron-LM's command line: '' is no path, and '--load'
+            # would be read as a flag of its own
+            err(name, f"{shown(v)}: an empty value or one starting with '-' is no value for --"
+                      f"{name.replace('_', '-')}")
         kwargs[name] = v
     if len(errors) > n0:
         return None
