@@ -200,7 +200,9 @@ def test_moe_layer_built_after_install_from_args_balances():
     (["--moe-balancer", "fsep", "--moe-balancer-slots", "two"], ["argument --moe-balancer-slots", "'two'"]),
     (["--moe-rails-comm", "smoke"], ["argument --moe-rails-comm: invalid choice: 'smoke'"]),
     (["--rails-config", "/nonexistent/policy.yaml"],
-     ["argument --rails-config", "not found: /nonexistent/policy.yaml"]),
+     ["argument --rails-config", "/nonexistent/policy.yaml: policy config file not found"]),
+    (["--rails-config", "/tmp"], ["argument --rails-config", "/tmp: is a directory, not a policy config file"]),
+    (["--rails-config", "/dev/null"], ["argument --rails-config", "/dev/null: not a regular file"]),
 ])
 def test_argparse_errors_name_the_flag(capsys, argv, words):
     with pytest.raises(SystemExit) as exit_:

@@ -365,3 +365,9 @@ def test_values_megatron_lm_would_misread_or_refuse_late(override, words):
     # a value starting with '-' became a flag of its own on pretrain_gpt.py's command line ('--save --load');
     # torch refuses beta or dropout >= 1 only after minutes of start-up
     assert words in _errors(M8x7, [override])
+
+
+def test_overrides_must_be_a_list_of_strings():
+    for bad in ("training.train_iters=5", {"training.train_iters": 5}, [5]):
+        assert "overrides must be a list of KEY=VALUE strings" in _errors(M8x7, bad)
+    assert load_run_config(M8x7, (t for t in ["training.train_iters=7"])).training.train_iters == 7

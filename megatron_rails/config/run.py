@@ -219,7 +219,11 @@ def apply_overrides(data: dict, overrides, kind: str, expand=None) -> tuple[dict
     import copy
 
     data, origin = copy.deepcopy(data), {}
-    for text in overrides or ():
+    given = overrides
+    overrides = [] if isinstance(given, (str, bytes, dict)) else list(given or ())
+    if given and not overrides or not all(isinstance(t, str) for t in overrides):
+        raise ConfigError(f"overrides must be a list of KEY=VALUE strings, got {shown(given)}")
+    for text in overrides:
         parts, value = parse_override(text)
         _check_path(kind, parts, text)
         node = data

@@ -18,8 +18,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-from pathlib import Path
 
+from ..core.errors import check_file
 from ..core.policy import COMMS, ConfigError, PolicyConfig
 from ..core.planners import POLICIES
 
@@ -47,8 +47,7 @@ def _slots(text: str) -> int:
 
 
 def _yaml_file(text: str) -> str:
-    if not Path(text).is_file():
-        raise argparse.ArgumentTypeError(f"policy config file not found: {text}")
+    check_file(text, "policy config", argparse.ArgumentTypeError)  # names a directory or a pipe as such
     return text
 
 
