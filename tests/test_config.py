@@ -109,3 +109,16 @@ def test_yaml_1_1_forms_are_refused_where_a_number_or_boolean_belongs(tmp_path):
         with pytest.raises(ConfigError, match=words):
             from megatron_rails.config.run import load_any
             load_any(path)
+
+
+def test_unprintable_key_characters_are_escaped_in_messages(tmp_path):
+    # a key holding a terminal escape or a right-to-left override must not recolor or reorder the message
+    from megatron_rails.config.run import load_any
+
+    path = tmp_path / "p.yaml"
+    path.write_text('policy: fsep\n"\\e[31mRED": 1\n"a\\u202eb": 2\n', encoding="utf-8")
+    with pytest.raises(ConfigError) as err:
+        load_any(path)
+    text = str(err.value)
+    assert "\\x1b[31mRED: unknown key" in text and "a\\u202eb: unknown key" in text
+    assert "\x1b" not in text and "\u202e" not in text

@@ -29,7 +29,11 @@ def shown(value, limit: int = SHOWN_CHARS) -> str:
 
 
 def cut(text: str, limit: int = SHOWN_CHARS) -> str:
-    """`text` (a key, a name) as it is, at most `limit` characters (cut with "...")."""
+    """`text` (a key, a name) as it is, at most `limit` characters (cut with "..."); characters that are
+    not printable escaped as Python writes them (a key holding a terminal escape or a right-to-left
+    override would otherwise recolor or reorder the message)."""
+    if not text.isprintable():
+        text = repr(text)[1:-1]
     return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
