@@ -103,7 +103,9 @@ def test_launch_dry_run(tmp_path):
     for args, extra, msg in (
             (["configs/mixtral/mixtral-8x7b.yaml"], {"SLURM_NNODES": "2"}, "wants 4 nodes x 8 GPUs, this job has 2"),
             (["configs/mini/nope.yaml"], {}, "run config 'configs/mini/nope.yaml' not found"),
-            ([MINI, "training.stepz=1"], {}, "unknown key 'training.stepz'")):
+            ([MINI, "training.stepz=1"], {}, "unknown key 'training.stepz'"),
+            ([MINI], {"SLURM_NNODES": "0"}, "SLURM_NNODES=0 is not a node count"),
+            ([MINI], {"SLURM_NNODES": "4", "SLURM_NODEID": "9"}, "SLURM_NODEID=9 is not a node of this job (0 .. 3)")):
         p = subprocess.run(["scripts/slurm/launch.sh", *args], cwd=ROOT, env=dict(env, MR_DRY_RUN="1", **extra),
                            capture_output=True, text=True, timeout=120)
         assert p.returncode != 0 and msg in p.stderr, p.stderr

@@ -38,6 +38,9 @@ read -r BACKEND WORLD NODES GPN <<<"$(echo $INFO)"
 
 NNODES=${SLURM_NNODES:-1}
 NODE_RANK=${SLURM_NODEID:-0}
+[[ "$NNODES" =~ ^[0-9]+$ && "$NNODES" -ge 1 ]] || die "SLURM_NNODES=$NNODES is not a node count (>= 1)"
+[[ "$NODE_RANK" =~ ^[0-9]+$ && "$NODE_RANK" -lt "$NNODES" ]] \
+    || die "SLURM_NODEID=$NODE_RANK is not a node of this job (0 .. $((NNODES - 1)))"
 JOB_ID=${SLURM_JOB_ID:-$$}
 if [ -n "${SLURM_JOB_NODELIST:-}" ]; then
     MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)
