@@ -507,6 +507,13 @@ def test_launcher_reads_our_flags_from_argv_under_yaml_cfg(tmp_path):
     assert proc.returncode == 0, proc.stderr
     rep = build_report(proc)
     assert rep["policy"] == dataclasses.asdict(PolicyConfig(policy="eplb", slots=1)) and rep["own_flag"] == 5
+    # the YAML may name our keys too: the command line wins where it gives them, the YAML counts elsewhere
+    cfg.write_text(json.dumps({"num_experts": 8, "moe_token_dispatcher_type": "alltoall", "own_flag": 5,
+                               "moe_balancer": "ultraep", "moe_balancer_slots": 3}))
+    rep = build_report(launch(script, "--yaml-cfg", cfg, "--moe-balancer", "lp", pythonpath=str(lib)))
+    assert (rep["policy"]["policy"], rep["policy"]["slots"]) == ("lp", 3)
+    rep = build_report(launch(script, "--yaml-cfg", cfg, pythonpath=str(lib)))
+    assert (rep["policy"]["policy"], rep["policy"]["slots"]) == ("ultraep", 3)
 
 
 def test_launcher_hooks_are_removed_after_the_run(tmp_path):

@@ -97,13 +97,16 @@ def _install_after(fn, final_args):
 
 def install(args) -> None:
     """install_from_args on Megatron's final args. `--yaml-cfg` replaces Megatron's namespace with
-    one read from its YAML, without our flags: those are then read from sys.argv."""
-    missing = [dest for dest in FLAGS if not hasattr(args, dest)]
-    if missing:
+    one read from its YAML: our flags on the command line then win over the YAML's (docs/megatron-lm.md),
+    which count where the command line has none."""
+    from_yaml = getattr(args, "yaml_cfg", None) is not None or \
+        any(a == "--yaml-cfg" or a.startswith("--yaml-cfg=") for a in sys.argv[1:])
+    if from_yaml or any(not hasattr(args, dest) for dest in FLAGS):
         parser = add_arguments(argparse.ArgumentParser(add_help=False, allow_abbrev=False))
         ours, _ = parser.parse_known_args(sys.argv[1:])
-        for dest in missing:
-            setattr(args, dest, getattr(ours, dest))
+        for dest in FLAGS:
+            if getattr(ours, dest) is not None or not hasattr(args, dest):
+                setattr(args, dest, getattr(ours, dest))
     install_from_args(args)
 
 
