@@ -381,3 +381,14 @@ def test_replica_counts_against_the_greedy_definition_and_both_searches(monkeypa
             assert np.array_equal(fast, _greedy_replica_counts(load, D * C, lo, D)), (load, D * C, D)
             greedy_checked += 1
     assert greedy_checked > 100
+
+
+def test_eplb_refuses_a_state_it_did_not_make():
+    big, small = make_planner("eplb", PlannerConfig(8, 16, 4, 1)), make_planner("eplb", PlannerConfig(4, 8, 4, 1))
+    _, state = big.plan(np.ones((8, 16), dtype=np.int64))
+    with pytest.raises(PlannerError, match="eplb's state is for another shape"):
+        small.plan(np.ones((4, 8), dtype=np.int64), state)
+    with pytest.raises(PlannerError, match="eplb's state is the EplbState its last plan"):
+        small.plan(np.ones((4, 8), dtype=np.int64), "junk")
+    _, own = small.plan(np.ones((4, 8), dtype=np.int64))
+    assert small.plan(np.ones((4, 8), dtype=np.int64), own)[1].step == own.step + 1

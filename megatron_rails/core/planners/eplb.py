@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..plan import Placement, Plan, owner_of_experts, rank_totals
-from .base import PlannerBase, PlannerConfig, even_quotas
+from .base import PlannerBase, PlannerConfig, PlannerError, even_quotas
 from .packing import lpt_place, replica_counts
 
 _BIG = np.iinfo(np.int64).max
@@ -61,10 +61,25 @@ class EplbPlanner(PlannerBase):
     def initial_state(self) -> EplbState:
         return EplbState(np.zeros((0, self.cfg.num_experts), dtype=np.int64))
 
+    def _check_state(self, state) -> None:
+        """The state this planner returned (for this shape): another planner's or shape's would fail
+        deep inside numpy or plan on the wrong experts."""
+        cfg = self.cfg
+        if not isinstance(state, EplbState):
+            raise PlannerError(f"eplb's state is the EplbState its last plan() returned (or None), "
+                               f"got {type(state).__name__}")
+        p = state.placement
+        if state.history_IE.ndim != 2 or state.history_IE.shape[1] != cfg.num_experts or p is not None and (
+                p.num_experts, p.num_ranks) != (cfg.num_experts, cfg.num_ranks):
+            raise PlannerError(f"eplb's state is for another shape (history {state.history_IE.shape}); this planner "
+                               f"has {cfg.num_ranks} ranks and {cfg.num_experts} experts: pass the state its own "
+                               "plan() returned, or None")
+
     def plan(self, counts_DE, state: EplbState | None = None):
         counts, load_E = self.counts_and_load(counts_DE)
         cfg = self.cfg
         state = state or self.initial_state()
+        self._check_state(state)
         history = np.concatenate([state.history_IE, load_E[None]])[-cfg.window:]
         history.flags.writeable = False
         placement = state.placement
