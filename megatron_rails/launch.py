@@ -25,6 +25,7 @@ def main(argv=None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE, file=sys.stdout if argv else sys.stderr)
         return 0 if argv else 2
+    from .core.errors import reason
     from .core.policy import ConfigError
 
     def error(why: str) -> int:
@@ -40,7 +41,11 @@ def main(argv=None) -> int:
     # as under `python SCRIPT` (sys.path[0] is the script's directory), else its megatron.training
     # would run against another megatron.core than it does without us
     checkout_first(script)
-    from .megatron.launch_hooks import LaunchError, run_script
+    try:  # the adapter imports megatron.core (and torch): the checkout's, where it has one
+        from .megatron.launch_hooks import LaunchError, run_script
+    except ImportError as err:
+        return error(f"megatron.core is not importable ({reason(err)}): install megatron-core, or use a "
+                     "Megatron-LM checkout whose megatron/core matches its megatron/training")
 
     try:
         run_script(argv[0], argv[1:])
@@ -51,15 +56,18 @@ def main(argv=None) -> int:
 
 def checkout_first(script: Path) -> None:
     """sys.path as `python SCRIPT` has it, plus MEGATRON_LM_DIR (when set) right after the script's
-    directory: the places megatron.training, and the megatron.core beside it, come from."""
-    script_dir = str(script.resolve().parent)
-    if sys.path:
-        sys.path[0] = script_dir
-    else:
-        sys.path.insert(0, script_dir)
+    directory: the places megatron.training, and the megatron.core beside it, come from. Under
+    `python -P` (PYTHONSAFEPATH) `python SCRIPT` adds no directory, and sys.path[0] is PYTHONPATH's."""
+    safe = sys.flags.safe_path
+    if not safe:
+        script_dir = str(script.resolve().parent)
+        if sys.path:
+            sys.path[0] = script_dir
+        else:
+            sys.path.insert(0, script_dir)
     lm_dir = os.environ.get("MEGATRON_LM_DIR")
     if lm_dir and lm_dir not in sys.path:
-        sys.path.insert(1, lm_dir)
+        sys.path.insert(0 if safe else 1, lm_dir)
 
 
 if __name__ == "__main__":

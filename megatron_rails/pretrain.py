@@ -6,10 +6,11 @@
 
 The model/parallelism/training/data sections become pretrain_gpt.py flags (RunConfig.megatron_args);
 flags after `--` are appended (Megatron's parser keeps the last value of a repeated flag). The resolved
-balancer is written as a policy YAML named by its content (under $RUN_DIR, else the temp directory) and
-passed as `--rails-config`, so megatron_rails.launch installs it once Megatron has validated its arguments and
-checks it against them; `balancer: null` passes none and Megatron stays stock. The Megatron-LM checkout
-(the directory holding pretrain_gpt.py) comes from --megatron-lm or MEGATRON_LM_DIR.
+balancer is written as a policy YAML named by its content (under $RUN_DIR, else a directory of the
+user's in the temp directory) and passed as `--rails-config`, so megatron_rails.launch installs it once
+Megatron has validated its arguments and checks it against them; `balancer: null` passes none and
+Megatron stays stock. The Megatron-LM checkout (the directory holding pretrain_gpt.py) comes from
+--megatron-lm or MEGATRON_LM_DIR.
 """
 from __future__ import annotations
 
@@ -23,22 +24,44 @@ from pathlib import Path
 
 
 def balancer_file(balancer) -> str:
-    """The resolved PolicyConfig as a YAML file for --rails-config, named by its content: every process of
-    a run, and every --print-args of the same config, writes (atomically) and passes the same file,
-    instead of one more temporary file each."""
+    """The resolved PolicyConfig as a YAML file for --rails-config, named by its content, under $RUN_DIR,
+    else a directory of this user's in the temp directory (a name others can predict must not be in a
+    directory they can write). Every process of a run, and every --print-args of the same config, passes
+    the same file: written once (to a new temporary name, renamed over a link rather than through it),
+    left alone where it already holds this content, as it does for a run's other ranks."""
     import hashlib
 
     import yaml
 
-    from .core.outfile import write_text
-
     text = "# resolved from the run config by megatron_rails.pretrain\n" + \
         yaml.safe_dump(dataclasses.asdict(balancer), sort_keys=False)
-    where = Path(os.environ.get("RUN_DIR") or tempfile.gettempdir())
+    where = Path(os.environ["RUN_DIR"]) if os.environ.get("RUN_DIR") else _private_temp_dir()
     where.mkdir(parents=True, exist_ok=True)
     path = where / f"balancer-{hashlib.sha256(text.encode()).hexdigest()[:12]}.yaml"
-    write_text(path, text)
+    if not path.is_symlink() and path.is_file() and path.read_text(errors="replace") == text:
+        return str(path)
+    tmp = where / f".{path.name}.{os.getpid()}.{os.urandom(4).hex()}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     return str(path)
+
+
+def _private_temp_dir() -> Path:
+    """TMPDIR/megatron-rails-UID, made 0700 where missing; refused unless a directory of this user's."""
+    import stat
+
+    d = Path(tempfile.gettempdir()) / f"megatron-rails-{os.getuid()}"
+    d.mkdir(mode=0o700, exist_ok=True)
+    st = os.lstat(d)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+        raise OSError(f"{d} is not a directory of this user's; set RUN_DIR")
+    return d
 
 
 def launch_argv(rc, script: str, extra=()) -> list[str]:
@@ -77,7 +100,7 @@ def main(argv=None) -> int:
     script = str(Path(args.megatron_lm or "Megatron-LM") / "pretrain_gpt.py")
     world = os.environ.get("WORLD_SIZE")
     if not args.print_args and world is not None:
-        if not world.strip().isdigit():
+        if not (world.strip().isascii() and world.strip().isdigit()):
             return fail(f"WORLD_SIZE={world!r} is not a rank count (torchrun sets it; unset it or fix it)")
         if int(world) != rc.world_size:
             return fail(f"{args.run_config}: the run config is for {rc.world_size} ranks (parallelism.nodes x "
@@ -87,9 +110,8 @@ def main(argv=None) -> int:
     try:
         launch_args = launch_argv(rc, script, extra)
     except OSError as err:  # RUN_DIR a file, unwritable, ...
-        where = os.environ.get("RUN_DIR") or tempfile.gettempdir()
-        return fail(f"cannot write the balancer's policy file under {where} "
-                    f"({'RUN_DIR' if os.environ.get('RUN_DIR') else 'the temp directory'}): {reason(err)}")
+        where = f"RUN_DIR={os.environ['RUN_DIR']}" if os.environ.get("RUN_DIR") else "the temp directory"
+        return fail(f"cannot write the balancer's policy file under {where}: {reason(err)}")
     if args.print_args:
         print(shlex.join(["python", "-m", "megatron_rails.launch", *launch_args]))
         return 0

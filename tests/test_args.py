@@ -570,6 +570,16 @@ def test_launcher_takes_megatron_core_from_the_checkout(tmp_path):
         assert build_report(proc)["policy"]["policy"] == "lp"
 
 
+def test_launcher_under_python_safe_path(tmp_path):
+    # python -P: sys.path[0] is PYTHONPATH's first entry (the checkout here), not a script directory
+    lib, script = make_fake(tmp_path, "main")
+    shutil.copy(script.with_name("report.py"), lib / "report.py")  # -P puts no script directory on the path
+    proc = run([sys.executable, "-P", "-m", "megatron_rails.launch", str(script), "--num-experts", "8",
+                "--moe-token-dispatcher-type", "alltoall", "--moe-balancer", "lp"], pythonpath=str(lib), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert build_report(proc)["policy"]["policy"] == "lp"
+
+
 def test_launcher_names_a_megatron_core_version_mismatch(tmp_path):
     lib, script = make_fake(tmp_path, "main")
     init = lib / "megatron" / "training" / "__init__.py"

@@ -386,8 +386,11 @@ def test_replica_counts_against_the_greedy_definition_and_both_searches(monkeypa
 def test_eplb_refuses_a_state_it_did_not_make():
     big, small = make_planner("eplb", PlannerConfig(8, 16, 4, 1)), make_planner("eplb", PlannerConfig(4, 8, 4, 1))
     _, state = big.plan(np.ones((8, 16), dtype=np.int64))
-    with pytest.raises(PlannerError, match="eplb's state is for another shape"):
+    with pytest.raises(PlannerError, match="eplb's state is for another config"):
         small.plan(np.ones((4, 8), dtype=np.int64), state)
+    _, roomy = make_planner("eplb", PlannerConfig(4, 8, 4, 3)).plan(np.ones((4, 8), dtype=np.int64))
+    with pytest.raises(PlannerError, match="eplb's state is for another config"):  # more slots than this one has
+        small.plan(np.ones((4, 8), dtype=np.int64), roomy)
     with pytest.raises(PlannerError, match="eplb's state is the EplbState its last plan"):
         small.plan(np.ones((4, 8), dtype=np.int64), "junk")
     _, own = small.plan(np.ones((4, 8), dtype=np.int64))

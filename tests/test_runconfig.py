@@ -217,6 +217,7 @@ def test_kinds(tmp_path):
     assert isinstance(topo, Topology) and topo.nic_gbps == 100 and topo.gpus_per_node == Topology().gpus_per_node
     assert "'nic_gbps' is a topology key, but 'slots' is not" in _errors(
         _write(tmp_path, "nic_gbps: 100\nslots: 2\n", "m.yaml"))
+    assert "cannot tell the kind" in _errors(_write(tmp_path, "description: a run?\n", "d.yaml"))
 
 
 def test_train_demo_accepts_mini_and_explains_the_rest():
@@ -294,7 +295,6 @@ def test_pretrain_print_args(tmp_path):
     assert cpu.returncode == 2 and "CPU (gloo) run configs run with megatron_rails.demo.train" in cpu.stderr
 
 
-
 def test_pretrain_policy_file_and_environment_errors(tmp_path):
     def pretrain(*argv, **env):
         return subprocess.run([sys.executable, "-m", "megatron_rails.pretrain", "--run-config", str(M8x7), *argv],
@@ -305,7 +305,20 @@ def test_pretrain_policy_file_and_environment_errors(tmp_path):
     assert first.returncode == 0 and first.stdout == again.stdout
     assert [p.name for p in tmp_path.iterdir()] == [Path(first.stdout.split("--rails-config ")[1].split()[0]).name]
     other = pretrain("--print-args", "balancer.slots=2", RUN_DIR=str(tmp_path))
-    assert other.stdout != first.stdout and len(list(tmp_path.iterdir())) == 2
+    assert other.stdout != first.stdout and len(list(tmp_path.glob("balancer-*"))) == 2
+    # without RUN_DIR: a directory of this user's alone, not the shared temp directory itself
+    (tmp_path / "tmp").mkdir()
+    bare = pretrain("--print-args", TMPDIR=str(tmp_path / "tmp"))
+    rails = Path(bare.stdout.split("--rails-config ")[1].split()[0])
+    assert rails.parent == tmp_path / "tmp" / f"megatron-rails-{os.getuid()}" and rails.parent.stat().st_mode & 0o077 == 0
+    # a link planted under the predictable name is replaced, never written through
+    name = Path(first.stdout.split("--rails-config ")[1].split()[0]).name
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep")
+    (tmp_path / name).unlink()
+    (tmp_path / name).symlink_to(victim)
+    assert pretrain("--print-args", RUN_DIR=str(tmp_path)).stdout == first.stdout
+    assert victim.read_text() == "keep" and not (tmp_path / name).is_symlink()
     afile = tmp_path / "afile"
     afile.write_text("")
     for argv, env, words in ((["--print-args"], {"RUN_DIR": str(afile)}, "cannot write the balancer's policy file"),
@@ -368,6 +381,7 @@ def test_values_megatron_lm_would_misread_or_refuse_late(override, words):
 
 
 def test_overrides_must_be_a_list_of_strings():
-    for bad in ("training.train_iters=5", {"training.train_iters": 5}, [5]):
+    for bad in ("training.train_iters=5", {"training.train_iters": 5}, [5], "", {}):
         assert "overrides must be a list of KEY=VALUE strings" in _errors(M8x7, bad)
     assert load_run_config(M8x7, (t for t in ["training.train_iters=7"])).training.train_iters == 7
+    assert load_run_config(M8x7, (t for t in [])) == load_run_config(M8x7, None) == load_run_config(M8x7, [])

@@ -12,7 +12,7 @@ from megatron_rails import cli
 from megatron_rails.core.planners import PlannerConfig, make_planner
 from megatron_rails.core.rails_schedule import rails_schedule
 from megatron_rails.core.topology import Topology, load_topology
-from megatron_rails.core.workloads import WorkloadSpec, counts
+from megatron_rails.core.workloads import WorkloadSpec, counts, gumbel_topk
 from megatron_rails.sim.dedup import (MAX_PAIRS, counts_of, dedup_traffic, entry_rank, pair_destinations,
                                       routing_weights, sample_routing, simulate_dedup, stock_destinations,
                                       token_traffic)
@@ -148,10 +148,15 @@ def test_sampler_is_deterministic_and_follows_the_skew():
     assert hot >= 0 and np.all(one[0, :, 0] == hot) and np.all((one[0, :, 1:] != hot))
 
 
-def test_sampler_large_topk_takes_the_gumbel_path():
+def test_sampler_large_topk_takes_the_gumbel_path(monkeypatch):
     # top-64 of 128 experts would redraw ~k^2 times one by one; the Gumbel-top-k path draws the same model
+    import megatron_rails.sim.dedup as dedup_mod
+
+    calls = []
+    monkeypatch.setattr(dedup_mod, "gumbel_topk", lambda *a, **k: calls.append(1) or gumbel_topk(*a, **k))
     p_E, _, _ = routing_weights("zipf:1.2", 128, 64, seed=4)
     picks = sample_routing(p_E, 2, 4000, 64, seed=4)
+    assert len(calls) == 2  # one per rank
     assert np.all(np.diff(np.sort(picks.astype(np.int64), axis=2), axis=2) > 0)
     mine = counts_of(picks, 128).sum(axis=0)
     ref = counts(WorkloadSpec(2, 128, 64, 4000, "zipf:1.2", 4)).sum(axis=0)

@@ -26,7 +26,7 @@ def register_run(subparsers) -> None:
                     "time and the dense part, on the config's topology (analytic; see docs/simulator.md).")
     p.add_argument("config", metavar="CONFIG", help="run config YAML, e.g. configs/mixtral/mixtral-8x7b.yaml")
     p.add_argument("overrides", nargs="*", default=[], metavar="KEY=VALUE",
-                   help=override_help("topology=dgx-a100") + "; right after the config (anywhere with --set)")
+                   help=override_help("topology=dgx-a100") + "; after the config (--set KEY=VALUE: anywhere)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="a run-config override, as KEY=VALUE after the config (repeatable; default: none)")
     p.add_argument("--policies", default=",".join(POLICIES),

@@ -220,8 +220,8 @@ def apply_overrides(data: dict, overrides, kind: str, expand=None) -> tuple[dict
 
     data, origin = copy.deepcopy(data), {}
     given = overrides
-    overrides = [] if isinstance(given, (str, bytes, dict)) else list(given or ())
-    if given and not overrides or not all(isinstance(t, str) for t in overrides):
+    overrides = [] if given is None or isinstance(given, (str, bytes, dict)) else list(given)
+    if isinstance(given, (str, bytes, dict)) or not all(isinstance(t, str) for t in overrides):
         raise ConfigError(f"overrides must be a list of KEY=VALUE strings, got {shown(given)}")
     for text in overrides:
         parts, value = parse_override(text)
@@ -253,12 +253,13 @@ def _kind_by_keys(data: dict) -> str | None:
         return "policy"
     # every topology key has a default (docs/rails.md), so a file of some of them is a topology; one with
     # its node shape is one whatever else it holds (its misspelled keys are then named as such)
-    if set(data) & {"gpus_per_node", "rails_per_node"} or data and set(data) <= _TOPOLOGY_KEYS:
+    if set(data) & {"gpus_per_node", "rails_per_node"} or set(data) - _LABELS and set(data) <= _TOPOLOGY_KEYS:
         return "topology"
     return None
 
 
 _TOPOLOGY_KEYS = frozenset(f.name for f in dataclasses.fields(Topology))
+_LABELS = {"name", "description"}  # alone they tell no kind (a run config has a description too)
 
 
 def _top_keys() -> list[str]:
@@ -282,7 +283,7 @@ def kind_of(path, data: dict) -> str:
              if k not in known and (h := suggest(k, _top_keys())).startswith("; did you mean")]
     stray = [cut(str(k)) for k in data if k not in _TOPOLOGY_KEYS]
     needs = {"balancer": "and a policy file names its policy (policy: fsep)",
-             "topology": f"but '{stray[0]}' is not" if stray else ""}
+             "topology": f"but '{stray[0]}' is not" if stray else "and a topology file sets more than its name"}
     hints += [f"'{k}' is a {'policy' if section == 'balancer' else section} key, {needs[section]}"
               for k in data for section, cls in NESTED.items() if k in {f.name for f in dataclasses.fields(cls)}]
     raise ConfigError(f"{path}: cannot tell the kind of config: " + (hints[0] + " (" + KIND_HINT + ")" if hints

@@ -347,6 +347,18 @@ fail:
  * (plan.py counts_and_load). Two numpy reductions over a few dozen entries cost more than the
  * arithmetic by far when the host's caches are cold, as between a training step's plans. */
 #define MAX_COUNT_TOTAL (((uint64_t)1) << 53)
+
+/* Whether n non-negative counts whose OR is `bits` total more than MAX_COUNT_TOTAL. Every count is at
+ * most `bits`, so below MAX_COUNT_TOTAL / n no count is read; else one pass that stops once past it
+ * (each count checked before it is added, so the total never wraps). */
+static int count_total_over(const int64_t *x, int64_t n, uint64_t bits) {
+    if (bits <= MAX_COUNT_TOTAL / (uint64_t)n) return 0;
+    uint64_t total = 0;
+    for (int64_t i = 0; i < n && total <= MAX_COUNT_TOTAL; i++)
+        total = (uint64_t)x[i] > MAX_COUNT_TOTAL ? MAX_COUNT_TOTAL + 1 : total + (uint64_t)x[i];
+    return total > MAX_COUNT_TOTAL;
+}
+
 static PyObject *count_sums(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
     if (nargs != 4) {
@@ -367,20 +379,17 @@ static PyObject *count_sums(PyObject *self, PyObject *const *args, Py_ssize_t na
     }
     const int64_t *x = c.buf;
     int64_t *load = out.buf, bits = 0; /* the OR of every count: negative iff one is */
-    /* column sums wrap (unsigned) rather than overflow where the total is refused anyway; the total
-     * stops growing once past the bound, each entry checked first, so it never wraps itself */
-    uint64_t *sum = (uint64_t *)load, total = 0;
-    for (int64_t e = 0; e < E; e++) sum[e] = 0;
+    for (int64_t e = 0; e < E; e++) load[e] = 0;
     for (int64_t d = 0; d < D; d++) {
         const int64_t *row = x + d * E;
-        for (int64_t e = 0; e < E; e++) sum[e] += (uint64_t)row[e], bits |= row[e]; /* vectorizes */
-        if (total <= MAX_COUNT_TOTAL)
-            for (int64_t e = 0; e < E && total <= MAX_COUNT_TOTAL; e++)
-                total = (uint64_t)row[e] > MAX_COUNT_TOTAL ? MAX_COUNT_TOTAL + 1 : total + (uint64_t)row[e];
+        /* unsigned adds wrap where signed ones would overflow (undefined); such totals are refused below */
+        for (int64_t e = 0; e < E; e++)
+            load[e] = (int64_t)((uint64_t)load[e] + (uint64_t)row[e]), bits |= row[e]; /* vectorizes */
     }
+    int64_t code = bits < 0 ? -1 : count_total_over(x, D * E, (uint64_t)bits) ? -2 : 0;
     PyBuffer_Release(&c);
     PyBuffer_Release(&out);
-    return PyLong_FromLongLong(bits < 0 ? -1 : total > MAX_COUNT_TOTAL ? -2 : 0);
+    return PyLong_FromLongLong(code);
 }
 
 /* rank_sums(rank_R, quota_R, R, D, load_out) -> (max, sum) of load_out (int64 [D], written) :=

@@ -45,7 +45,9 @@ def _frozen_i64(a, name: str, ndim: int) -> np.ndarray:
     if arr.dtype.kind == "f" and arr.size:
         if not np.all(np.isfinite(arr)) or np.any(arr != np.round(arr)):
             raise PlanError(f"{name} must hold integers, got dtype {arr.dtype}")
-    if arr.dtype.kind in "uf" and arr.size and np.abs(arr).max() >= 2.0**63:  # would wrap in int64
+    big = arr.size and (arr.max() > np.iinfo(np.int64).max if arr.dtype.kind == "u" else
+                        arr.dtype.kind == "f" and np.abs(arr).max() >= 2.0**63)  # would wrap in int64
+    if big:
         raise PlanError(f"{name} holds {shown(arr.flat[np.argmax(np.abs(arr))])}, beyond int64")
     arr = np.array(arr, dtype=np.int64, copy=True, order="C")
     arr.flags.writeable = False

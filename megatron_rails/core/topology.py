@@ -123,8 +123,8 @@ def load_topology(name_or_path) -> Topology:
     if not p.suffix and not p.exists():
         raise ConfigError(f"unknown topology {name_or_path!r}; presets: {', '.join(presets())} "
                           f"(or give a path to a YAML file)")
-    data = read_mapping(p, ConfigError, "topology", "a topology sets at least one of its keys (gpus_per_node, rails_per_node, nic_gbps, ...; "
-                                                          "each has a default)")
+    data = read_mapping(p, ConfigError, "topology", "a topology sets at least one of its keys (gpus_per_node, "
+                                                    "rails_per_node, nic_gbps, ...; each has a default)")
     kind = "run" if set(data) & {"model", "parallelism", "training"} else \
         "policy" if "policy" in data and "gpus_per_node" not in data else None
     if kind:  # one line instead of every key it does not know

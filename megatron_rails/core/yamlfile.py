@@ -60,10 +60,12 @@ BOOL, INT, FLOAT = "tag:yaml.org,2002:bool", "tag:yaml.org,2002:int", "tag:yaml.
 def _yaml12_scalars(loader) -> None:
     """Booleans and numbers as YAML 1.2 reads them, not 1.1 (PyYAML's): `yes`, `no`, `on`, `off` stay text
     and only true/false are booleans; `2:00` and `1:30.5` (1.1: sexagesimal 120 and 90.5) stay text;
-    `010` is ten, not 1.1's octal eight (0o10, 0x1f and 1_000 are read as Python reads them). A config
-    that says `slots: 2:00` or `window: 010` is then refused or read as written, never silently as
-    another number."""
+    `010` is ten, not 1.1's octal eight (0o10, 0x1f, 0b101 and 1_000 are read as Python reads them). A
+    config that says `slots: 2:00` or `window: 010` is then refused or read as written, never silently as
+    another number. (An explicit tag, `!!bool yes`, is the file's own choice and read as tagged.)"""
     import re
+
+    import yaml
 
     loader.yaml_implicit_resolvers = {
         first: [(tag, rx) for tag, rx in resolvers if tag not in (BOOL, INT, FLOAT)]
@@ -73,12 +75,16 @@ def _yaml12_scalars(loader) -> None:
         r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"), list("-+0123456789."))
     loader.add_implicit_resolver(BOOL, re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
     loader.add_implicit_resolver(
-        INT, re.compile(r"^[-+]?(?:[0-9](?:_?[0-9])*|0o[0-7](?:_?[0-7])*|0x[0-9a-fA-F](?:_?[0-9a-fA-F])*)$"),
-        list("-+0123456789"))
+        INT, re.compile(r"^[-+]?(?:[0-9](?:_?[0-9])*|0b[01](?:_?[01])*|0o[0-7](?:_?[0-7])*"
+                        r"|0x[0-9a-fA-F](?:_?[0-9a-fA-F])*)$"), list("-+0123456789"))
 
     def construct_int(self, node):
         text = self.construct_scalar(node)
-        return int(text, 0) if re.match(r"^[-+]?0[ox]", text) else int(text, 10)
+        try:  # an explicit !!int may hold anything
+            return int(text, 0) if re.match(r"^[-+]?0[box]", text) else int(text, 10)
+        except ValueError:
+            raise yaml.constructor.ConstructorError(None, None, f"{text!r} is not an integer",
+                                                    node.start_mark) from None
 
     loader.add_constructor(INT, construct_int)
 

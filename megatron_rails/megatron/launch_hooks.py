@@ -56,10 +56,11 @@ def import_megatron_training():
     except ImportError as err:
         missing = getattr(err, "name", None) or ""
         if missing.startswith("megatron.core"):
-            import megatron.core as core
-
+            core = sys.modules.get("megatron.core")  # imported already: the adapter runs on it
+            where = (f"{os.path.dirname(getattr(core, '__file__', '') or '?')}, "
+                     f"version {getattr(core, '__version__', '?')}")
             raise LaunchError(f"megatron.training needs {missing}, which the megatron.core in use lacks "
-                              f"({os.path.dirname(core.__file__)}, version {getattr(core, '__version__', '?')}): "
+                              f"({where}): "
                               "the Megatron-LM checkout and megatron-core differ in version; use the checkout's "
                               "own megatron/core or the pip release of its tag") from err
         raise LaunchError(f"megatron.training (Megatron-LM) failed to import: {err}; install Megatron-LM's "
@@ -147,7 +148,9 @@ def run_script(script, argv) -> None:
     saved_argv, saved_path0 = sys.argv[:], sys.path[0] if sys.path else None
     sys.argv = [str(path), *argv]
     script_dir = str(path.resolve().parent)
-    if sys.path:
+    if sys.flags.safe_path:  # `python -P SCRIPT` adds no directory (megatron_rails.launch.checkout_first)
+        script_dir = None
+    elif sys.path:
         sys.path[0] = script_dir
     else:
         sys.path.insert(0, script_dir)

@@ -86,7 +86,7 @@ def sample_routing(p_E, num_ranks: int, tokens_per_rank: int, topk: int, seed: i
         rng = np.random.default_rng([int(seed), d, _TAG])
         if gumbel_rule(k, E):  # the same distribution, a key per expert: one by one would redraw ~k^2 times
             forced_T = rng.random(T) < hot_frac if hot >= 0 and hot_frac > 0 else None
-            out[d] = gumbel_topk(rng, w, k, T, forced_T, hot)
+            out[d] = gumbel_topk(rng, np.maximum(w, 0.0), k, T, forced_T, hot)  # a rounding's -1e-17: no NaN key
         else:
             out[d] = _sample_rank(rng, w, cum_end, T, k, hot, hot_frac)
     return out

@@ -190,17 +190,18 @@ out:
 #define MAX_COUNT_TOTAL (((uint64_t)1) << 53)
 static int64_t sum_columns(const int64_t *restrict counts, int64_t D, int64_t E, int64_t *restrict load_E) {
     int64_t sign = 0;
-    uint64_t *restrict sum = (uint64_t *)load_E, total = 0;
-    for (int64_t e = 0; e < E; e++) sum[e] = 0;
+    for (int64_t e = 0; e < E; e++) load_E[e] = 0;
     for (int64_t d = 0; d < D; d++) {
         const int64_t *restrict row = counts + d * E;
         for (int64_t e = 0; e < E; e++) {
-            sum[e] += (uint64_t)row[e];
+            load_E[e] = (int64_t)((uint64_t)load_E[e] + (uint64_t)row[e]);
             sign |= row[e];
         }
-        for (int64_t e = 0; e < E && total <= MAX_COUNT_TOTAL; e++)
-            total = (uint64_t)row[e] > MAX_COUNT_TOTAL ? MAX_COUNT_TOTAL + 1 : total + (uint64_t)row[e];
     }
+    if (sign < 0 || (uint64_t)sign <= MAX_COUNT_TOTAL / (uint64_t)(D * E)) return sign; /* every count <= sign */
+    uint64_t total = 0; /* each count checked before it is added: the total never wraps */
+    for (int64_t i = 0; i < D * E && total <= MAX_COUNT_TOTAL; i++)
+        total = (uint64_t)counts[i] > MAX_COUNT_TOTAL ? MAX_COUNT_TOTAL + 1 : total + (uint64_t)counts[i];
     return total > MAX_COUNT_TOTAL ? -1 : sign;
 }
 

@@ -68,17 +68,19 @@ class EplbPlanner(PlannerBase):
         if not isinstance(state, EplbState):
             raise PlannerError(f"eplb's state is the EplbState its last plan() returned (or None), "
                                f"got {type(state).__name__}")
-        p = state.placement
-        if state.history_IE.ndim != 2 or state.history_IE.shape[1] != cfg.num_experts or p is not None and (
-                p.num_experts, p.num_ranks) != (cfg.num_experts, cfg.num_ranks):
-            raise PlannerError(f"eplb's state is for another shape (history {state.history_IE.shape}); this planner "
-                               f"has {cfg.num_ranks} ranks and {cfg.num_experts} experts: pass the state its own "
-                               "plan() returned, or None")
+        p, stock = state.placement, self._stock  # a placement of this config has the stock one's shape
+        history = getattr(state.history_IE, "shape", ())
+        if len(history) != 2 or history[1] != cfg.num_experts or p is not None and (
+                p.num_experts, p.slot_expert_DS.shape, p.ranks_per_node) != (
+                stock.num_experts, stock.slot_expert_DS.shape, stock.ranks_per_node):
+            raise PlannerError(f"eplb's state is for another config (history {history}); this planner has "
+                               f"{cfg.num_ranks} ranks, {cfg.num_experts} experts, {cfg.slots} slots, "
+                               f"{cfg.ranks_per_node} ranks per node: pass the state its own plan() returned, or None")
 
     def plan(self, counts_DE, state: EplbState | None = None):
         counts, load_E = self.counts_and_load(counts_DE)
         cfg = self.cfg
-        state = state or self.initial_state()
+        state = self.initial_state() if state is None else state
         self._check_state(state)
         history = np.concatenate([state.history_IE, load_E[None]])[-cfg.window:]
         history.flags.writeable = False
