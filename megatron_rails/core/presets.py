@@ -23,7 +23,7 @@ def find(preset_dir: Path, name: str) -> Path | None:
 
 def meant(preset_dir: Path, ref) -> Path | None:
     """The preset `ref` names, or None where it is a path: a bare name without suffix that names a
-    preset means it unless a regular file of that name is in the way (a directory of that name, as
-    a run directory called `default` would be, never hides a preset; write ./NAME for the file)."""
+    preset means it unless a regular file of that name is there (then the file is read); a directory
+    of that name, as a run directory called `default` would be, never hides a preset."""
     p = Path(ref)
     return None if p.suffix or p.is_file() else find(preset_dir, str(ref))
