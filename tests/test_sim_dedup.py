@@ -12,7 +12,8 @@ from megatron_rails import cli
 from megatron_rails.core.planners import PlannerConfig, make_planner
 from megatron_rails.core.rails_schedule import rails_schedule
 from megatron_rails.core.topology import Topology, load_topology
-from megatron_rails.core.workloads import WorkloadSpec, counts, gumbel_topk
+from megatron_rails.core.sampling import gumbel_topk
+from megatron_rails.core.workloads import WorkloadSpec, counts
 from megatron_rails.sim.dedup import (MAX_PAIRS, counts_of, dedup_traffic, entry_rank, pair_destinations,
                                       routing_weights, sample_routing, simulate_dedup, stock_destinations,
                                       token_traffic)

@@ -47,6 +47,10 @@ class InputError(ValueError):
     key) and what is allowed."""
 
 
+class WorkloadError(InputError):
+    """A workload spec, skew text or counts file is invalid."""
+
+
 class PlanError(ValueError):
     """A placement or plan violates the plan model's invariants."""
 

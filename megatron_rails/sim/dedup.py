@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..core.topology import Topology
-from ..core.workloads import gumbel_rule, gumbel_topk, skip_excluded
+from ..core.sampling import gumbel_rule, gumbel_topk, skip_excluded
 from .rails import SCHEMES, _us, build_schedule, lower_bound_us, resource_loads, simulate_schedule
 from .traffic import TrafficError, check_ints, check_policy_slots, family, parse_traffic
 
@@ -68,7 +68,7 @@ def sample_routing(p_E, num_ranks: int, tokens_per_rank: int, topk: int, seed: i
     experts one by one, each from p_E renormalized over the experts it has not picked yet. hot,
     hot_frac: with hot >= 0 each token's first pick is `hot` with probability hot_frac (the bursty
     and one skews). Rank d draws from its own stream, seeded by (seed, d): deterministic. A top-k that
-    core/workloads.py's gumbel_rule names draws the same model by the Gumbel-top-k trick.
+    core/sampling.py's gumbel_rule names draws the same model by the Gumbel-top-k trick.
     """
     p = np.asarray(p_E, dtype=np.float64)
     E, D, T, k = p.size, int(num_ranks), int(tokens_per_rank), int(topk)
