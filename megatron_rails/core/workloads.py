@@ -30,7 +30,6 @@ SKEW_FORMS = "uniform | zipf:S | drift:S[:P] | bursty:S[:F[:R]] | one | file:PAT
 MAX_S = 10.0                        # zipf exponent cap; steeper tails vanish below float64 resolution
 DRIFT_PERIOD = 100                  # default P
 BURST_FRAC, BURST_RATE = 0.5, 0.25  # default F, R
-MAX_TOTAL = MAX_COUNT_TOTAL         # tokens in one counts matrix: exact in int64 sums and float64 means
 _TAG_PERM, _TAG_SAMPLE, _TAG_BURST = 0x5045524D, 0x53414D50, 0x42555253
 
 
@@ -245,11 +244,11 @@ def _check_totals(counts_arr: np.ndarray, where: str) -> None:
     counts near 2^62 would overflow the token totals silently."""
     D, E = counts_arr.shape[-2:]
     totals = counts_arr.reshape(-1, D * E).sum(axis=1, dtype=np.float64)  # float: cannot wrap around
-    big = np.flatnonzero(totals > MAX_TOTAL)
+    big = np.flatnonzero(totals > MAX_COUNT_TOTAL)
     if big.size:
         at = np.unravel_index(big[0], counts_arr.shape[:-2]) if counts_arr.ndim > 2 else ()
         raise WorkloadError(f"{where}: {_at(tuple(int(i) for i in at))}counts sum to {totals[big[0]]:.3g} tokens; "
-                            f"at most 2^53 ({MAX_TOTAL:.3g}) per [D, E] matrix are supported")
+                            f"at most 2^53 ({MAX_COUNT_TOTAL:.3g}) per [D, E] matrix are supported")
 
 
 def validate_counts(arr, where: str) -> np.ndarray:
