@@ -12,7 +12,10 @@
 #
 #   bash scripts/gpu_checks.sh MEGATRON_LM_DIR OUTDIR
 #
-# SKIP_BENCH=1 skips step 1; RUN_TIMEOUT (100 s) limits each pretrain run.
+# First the compiled planner and route parts (C, see setup.py) are built in place for this Python,
+# where a checkout has not built them: without them the planners run their numpy definitions and
+# the plan times are not the product's. SKIP_BENCH=1 skips step 1; PROFILE=1 adds
+# scripts/profile_local.py (Mixtral 8x7B) to it; RUN_TIMEOUT (100 s) limits each pretrain run.
 # OUTDIR gets bench JSONs, gpu_check.log, the loss tables and one archive of every log (pretrain.tgz).
 set -u
 [ $# -eq 2 ] || { echo "usage: bash scripts/gpu_checks.sh MEGATRON_LM_DIR OUTDIR" >&2; exit 2; }
@@ -25,6 +28,13 @@ export PYTHONPATH="$REPO:$MLM${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 PYT
 cd "$REPO"
 say() { echo "[gpu_checks $(date +%H:%M:%S)] $*" | tee -a "$OUT/summary.txt"; }
 
+"$PY" setup.py -q build_ext --inplace > "$OUT/build.txt" 2>&1
+built=$?
+say "0. compiled parts: build exit $built; $("$PY" -c 'from megatron_rails.core.compiled import compiled as c
+parts = [("megatron_rails.core._route_c", "rank_tables"), ("megatron_rails.core.planners._fsep_c", "fsep_layout"),
+         ("megatron_rails.core.planners._ultraep_c", "cascade_plan")]
+print("in use:", sum(c(m, n) is not None for m, n in parts), "of", len(parts))' 2>&1 | tail -1)"
+
 if [ "${SKIP_BENCH:-0}" = 1 ]; then say "1. bench local: skipped (SKIP_BENCH=1)"; else
 say "1. bench local (alone on the GPU)"
 for shape in mixtral-8x7b mixtral-8x22b; do
@@ -35,6 +45,11 @@ done
 MEGATRON_RAILS_SEND_ORDER=device timeout 180 "$PY" -m megatron_rails.cli bench local --device cuda \
   --shape mixtral-8x7b --out "$OUT/local-mixtral-8x7b-device-order.json" > "$OUT/local-device.txt" 2>&1
 say "  mixtral-8x7b, send order by torch ops: exit $?"; grep -E "^  [a-z]+ +(uniform|zipf)" "$OUT/local-device.txt" | tee -a "$OUT/summary.txt"
+if [ "${PROFILE:-0}" = 1 ]; then  # where the time goes: kernels, torch ops, Python (OUTDIR/profile.txt)
+  timeout 240 "$PY" scripts/profile_local.py --shape mixtral-8x7b --device cuda --reps 20 --out "$OUT" \
+    > "$OUT/profile-summary.txt" 2>&1
+  say "  profile_local (8x7B): exit $?"; grep -E "^[a-z]+ +(uniform|zipf)" "$OUT/profile-summary.txt" | tee -a "$OUT/summary.txt"
+fi
 fi
 
 say "2. gpu_check and pretrain_gpt.py, side by side"
@@ -65,7 +80,7 @@ for i in 0 1 2; do
   wait "${pids[$i]}"; say "pretrain, 1 rank (NCCL), $name: exit $?"; cat "$OUT/$name/table.md" >> "$OUT/summary.txt" 2>/dev/null
 done
 wait $ep2; say "pretrain, 2 ranks (gloo): exit $?"; cat "$OUT/ep2/table.md" >> "$OUT/summary.txt" 2>/dev/null
-tar czf "$OUT/pretrain.tgz" -C "$OUT" setup setup.txt ep1a ep1b ep1c ep2 ep1?.txt ep2.txt local-mixtral-8x7b.txt \
+tar czf "$OUT/pretrain.tgz" -C "$OUT" build.txt setup setup.txt ep1a ep1b ep1c ep2 ep1?.txt ep2.txt local-mixtral-8x7b.txt \
   local-mixtral-8x22b.txt local-device.txt 2>/dev/null
-rm -rf "$OUT/setup" "$OUT/setup.txt" "$OUT"/ep1? "$OUT/ep2" "$OUT"/ep*.txt "$OUT"/local-*.txt
+rm -rf "$OUT/build.txt" "$OUT/setup" "$OUT/setup.txt" "$OUT"/ep1? "$OUT/ep2" "$OUT"/ep*.txt "$OUT"/local-*.txt
 say "done"
