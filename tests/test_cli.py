@@ -21,8 +21,9 @@ def run(*args, ok=True):
 
 @pytest.mark.parametrize("policy", ["none", "eplb", "fsep", "ultraep", "lp"])
 def test_plan_json(policy):
+    slots = [] if policy == "none" else ["--slots", "1"]  # none places no slots (typed, it is refused)
     out = run("plan", "--policy", policy, "--ranks", "8", "--experts", "16", "--topk", "2", "--tokens-per-rank",
-              "512", "--slots", "1", "--ranks-per-node", "4", "--skew", "zipf:1.2", "--seed", "3", "--json",
+              "512", *slots, "--ranks-per-node", "4", "--skew", "zipf:1.2", "--seed", "3", "--json",
               "--repeats", "3", "--budget", "0.01").stdout
     row = json.loads(out)
     assert KEYS <= set(row) and row["policy"] == policy and row["ranks"] == 8 and row["experts"] == 16

@@ -45,9 +45,9 @@ def _add_workload_args(p) -> None:
     p.add_argument("--topk", type=int_range("--topk", 1, MAX_EXPERTS), default=Default(2), help="experts per token")
     p.add_argument("--tokens-per-rank", type=int_range("--tokens-per-rank", 1, MAX_TOKENS), default=Default(4096),
                    help="tokens each rank routes per step")
-    p.add_argument("--slots", type=int_range("--slots", 0, MAX_SLOTS), default=1,
+    p.add_argument("--slots", type=int_range("--slots", 0, MAX_SLOTS), default=Default(1),
                    help="R: expert slots per rank beyond ceil(E/D) (redundant replicas; fsep uses ceil(E/D)+R; "
-                        "eplb, ultraep and lp need >= 1)")
+                        "eplb, ultraep and lp need >= 1; none places none)")
     p.add_argument("--ranks-per-node", type=int_range("--ranks-per-node", 1, MAX_RANKS), default=Default(8),
                    help="ranks sharing a node (G): a divisor of D, or >= D for one node")
     src = p.add_mutually_exclusive_group()
@@ -95,6 +95,7 @@ def _counts_file(args):
 # policy, placement -> whether it does
 _HISTORY_USERS = ("eplb, and lp on --placement eplb", lambda p, pl: p == "eplb" or (p == "lp" and pl == "eplb"))
 PLAN_OPTION_USERS = {
+    "slots": ("eplb, ultraep, lp and fsep", lambda p, pl: p != "none"),  # none keeps the stock layout
     "window": _HISTORY_USERS,  # eplb's history
     "interval": _HISTORY_USERS,
     "placement": ("lp", lambda p, pl: p == "lp"),

@@ -9,7 +9,7 @@ import json
 
 from ..core.errors import InputError
 from ..core.policy import MAX_SLOTS
-from .args import divisor_of, int_range, no_table_with_json, out_file
+from .args import Default, divisor_of, int_range, no_table_with_json, out_file
 
 MAX_WORLD = 2048  # GPUs of one simulated all-to-all: its flow model holds [D, D] matrices per rail
 
@@ -36,8 +36,8 @@ def register(subparsers) -> None:
     p.add_argument("--experts", type=int_range("--experts", 1, 4096), help="number of experts (default: the family's)")
     p.add_argument("--topk", type=int_range("--topk", 1, 4096), help="experts per token (default: the family's)")
     p.add_argument("--dtype-bytes", type=int_range("--dtype-bytes", 1, 8), default=2, help="bytes per element (bf16: 2)")
-    p.add_argument("--slots", type=int_range("--slots", 0, MAX_SLOTS), default=1,
-                   help="R for the planner of plan/mixtral/deepseek traffic")
+    p.add_argument("--slots", type=int_range("--slots", 0, MAX_SLOTS), default=Default(1),
+                   help="R for the planner of plan/mixtral/deepseek traffic (a policy other than none)")
     p.add_argument("--seed", type=int_range("--seed", 0, 2**32 - 1), default=0, help="workload seed")
     p.add_argument("--dedup", choices=DEDUP_MODES, default="off",
                    help="token dedup across nodes: off = the family's pair traffic (count-level); on = a token-level "
@@ -67,14 +67,18 @@ def register_trace(subparsers) -> None:
     p.add_argument("--policy", default="none", choices=POLICIES, help="policy the demo trains with")
     p.add_argument("--ranks", type=divisor_of("--ranks", 8, "the demo model's experts"), default=4,
                    help="gloo ranks = expert-parallel size, over the demo model's 8 experts")
-    p.add_argument("--slots", type=int_range("--slots", 0, MAX_SLOTS), default=2,
-                   help="redundant slots per rank for the policy")
+    p.add_argument("--slots", type=int_range("--slots", 0, MAX_SLOTS), default=Default(2),
+                   help="redundant slots per rank for the policy (not for none)")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     p.set_defaults(func=_cmd_trace)
 
 
 def _cmd_trace(args) -> int:
     from ..demo.trace import cmd_trace
+
+    if args.policy == "none" and "slots" not in args.unset:
+        raise InputError(f"--slots {args.slots} would change nothing with --policy none (it keeps the stock "
+                         "layout, no redundant slots); drop --slots")
 
     return cmd_trace(args)
 
@@ -84,6 +88,7 @@ def run_a2a(args) -> tuple[dict, list[dict]]:
     from ..core.topology import load_topology
     from ..sim.traffic import make_traffic
 
+    _slots_used(args)
     topo = load_topology(args.topology).with_nodes(args.nodes)
     D = topo.world_size
     if D > MAX_WORLD:
@@ -101,6 +106,19 @@ def run_a2a(args) -> tuple[dict, list[dict]]:
     for r in rows:
         r["busbw_gain_over_direct"] = r["busbw_gbps"] / direct["busbw_gbps"] - 1 if direct["busbw_gbps"] else 0.0
     return head, rows
+
+
+def _slots_used(args) -> None:
+    """Refuse a typed --slots that no planner reads: a traffic family without a plan, or planned by none."""
+    from ..sim.traffic import parse_traffic
+
+    if "slots" in getattr(args, "unset", ("slots",)):
+        return
+    kind, _, policy = parse_traffic(args.traffic)
+    if kind in ("uniform", "zipf") or policy == "none":
+        raise InputError(f"--slots {args.slots} would change nothing with --traffic {args.traffic}: only a "
+                         "traffic planned by a policy other than none (plan:POLICY, mixtral:POLICY, "
+                         "deepseek:POLICY) places slots; drop --slots")
 
 
 def _run_dedup(args, topo, shape: dict, mode: str) -> tuple[dict, list[dict]]:
