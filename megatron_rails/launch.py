@@ -18,6 +18,7 @@ USAGE = """usage: python -m megatron_rails.launch SCRIPT [ARGS...]
   ARGS    Megatron-LM's arguments plus --moe-balancer, --moe-balancer-slots, --moe-rails-comm and
           --rails-config (listed by `SCRIPT --help` under "megatron-rails"; docs/megatron-lm.md)
 megatron.training comes from a Megatron-LM checkout: the script's directory, PYTHONPATH or MEGATRON_LM_DIR."""
+NO_CUDA = "Megatron requires CUDA."  # initialize_megatron's assertion where torch sees no GPU (core_v0.15 .. main)
 
 
 def main(argv=None) -> int:
@@ -51,6 +52,12 @@ def main(argv=None) -> int:
         run_script(argv[0], argv[1:])
     except (LaunchError, ConfigError) as err:
         return error(str(err))
+    except AssertionError as err:
+        if str(err) != NO_CUDA:
+            raise
+        # initialize_megatron's own check: the machine, not the script, is what is wrong
+        return error(f"Megatron-LM's training loop needs a CUDA GPU ({NO_CUDA!r}: initialize_megatron) and "
+                     "torch sees none here; `megatron-rails demo` trains with the balancer on CPU")
     return 0
 
 

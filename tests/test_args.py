@@ -467,6 +467,21 @@ def test_launcher_chains_flags_and_installs_before_build(tmp_path, shape):
     assert proc.stdout.index("megatron-rails: installed policy=ultraep slots=3") < proc.stdout.index("BUILD ")
 
 
+@pytest.mark.parametrize("message", ["Megatron requires CUDA.", "another assertion"])
+def test_launcher_without_a_gpu_says_so_in_one_line(tmp_path, message):
+    """Megatron-LM's initialize_megatron asserts CUDA: on a CPU machine the launcher names the machine
+    in one line instead of Megatron's traceback; any other assertion of the script keeps its traceback."""
+    lib, script = make_fake(tmp_path, "core_v0.16")
+    script.write_text(f"assert False, {message!r}\n")
+    proc = launch(script, "--moe-balancer", "fsep", pythonpath=str(lib), cwd=tmp_path)
+    if message == "another assertion":
+        assert proc.returncode == 1 and "Traceback" in proc.stderr and message in proc.stderr
+        return
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith(
+        "megatron_rails.launch: error: Megatron-LM's training loop needs a CUDA GPU"), proc.stderr
+
+
 def test_launcher_without_balancer_keeps_megatron_stock(tmp_path):
     lib, script = make_fake(tmp_path, "core_v0.16")
     proc = launch(script, "--num-experts", "8", "--own-flag", "1", pythonpath=str(lib))
