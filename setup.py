@@ -8,9 +8,10 @@ Python (same results, slower). Everything else is declared in pyproject.toml.
 from setuptools import Extension, setup
 
 FLAGS = ["-O3", "-std=c11", "-Wall", "-Wextra"]
+WITHIN = "megatron_rails/core/planners/_within.h"  # the planners' tolerance test, shared by both
 setup(ext_modules=[Extension("megatron_rails.core.planners._ultraep_c", ["megatron_rails/core/planners/_ultraep_c.c"],
-                             extra_compile_args=FLAGS, optional=True),
+                             depends=[WITHIN], extra_compile_args=FLAGS, optional=True),
                    Extension("megatron_rails.core.planners._fsep_c", ["megatron_rails/core/planners/_fsep_c.c"],
-                             extra_compile_args=FLAGS, optional=True),
+                             depends=[WITHIN], extra_compile_args=FLAGS, optional=True),
                    Extension("megatron_rails.core._route_c", ["megatron_rails/core/_route_c.c"],
                              extra_compile_args=FLAGS, optional=True)])

@@ -95,6 +95,30 @@ def test_identical_at_benchmark_shapes(D, E, G, R, skew):
     assert a.info["method"] == "cascade"  # the compiled path was exercised, not a fallback
 
 
+@pytest.mark.parametrize("policy", ["ultraep", "fsep"])
+def test_tolerance_is_judged_exactly_at_the_largest_totals(policy):
+    """The stock layout is kept only where max_load * D <= (1 + tolerance) * total holds for the
+    exact integer product (Python's int-float comparison, worked out here with fractions): at 1024
+    ranks one expert's 2^53 tokens times D passes 2^63, and near 2^53 the product's rounding to a
+    double could flip the answer. Compiled and Python plans agree, and neither keeps stock."""
+    from fractions import Fraction
+
+    D = 1024
+    one_hot = np.zeros((D, D), dtype=np.int64)
+    one_hot[0, 0] = 2**53  # the largest total the planners accept
+    h, N = 2**52 + 3, 2**53  # 3 ranks: 3 * h exceeds (1 + tol) * N by one token
+    tol = (3 * h - 1) / N - 1
+    near = np.zeros((3, 3), dtype=np.int64)
+    near[0] = [h, (N - h) // 2, N - h - (N - h) // 2]
+    for counts, cfg in ((one_hot, PlannerConfig(D, D, 8, 1, tolerance=0.5)),
+                        (near, PlannerConfig(3, 3, 3, 1, tolerance=tol))):
+        stock_max = int(counts.sum(axis=0).max())  # one expert per rank: stock's busiest rank
+        assert Fraction(stock_max * cfg.num_ranks) > Fraction(1.0 + cfg.tolerance) * int(counts.sum())
+        fast, slow = both(cfg, counts, policy)
+        assert_identical(fast, slow)
+        assert fast.placement.num_replicas > cfg.num_experts  # the hot expert was spread, not left stock
+
+
 def test_cascade_gives_up_to_the_python_search():
     # rank 1 must shed 300 from three experts of 200 and cannot split it at the only taker's cut
     counts = np.zeros((2, 6), dtype=np.int64)

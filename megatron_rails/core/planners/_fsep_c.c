@@ -18,6 +18,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "_within.h"
+
 enum { STOCK = 0, LEAN = 1, FULL = 2 };
 
 typedef struct {
@@ -223,18 +225,18 @@ static PyObject *fsep_layout(PyObject *self, PyObject *const *args, Py_ssize_t n
         int64_t total = 0, hi = 0;
         for (int64_t e = 0; e < E; e++) total += load[e], hi = load[e] > hi ? load[e] : hi;
         int placed_lean = 0;
-        if (tol_limit > 0 && (double)(hi * D) <= tol_limit * (double)total) {
+        if (tol_limit > 0 && within_limit(hi, D, tol_limit * (double)total)) {
             int64_t stock_hi = 0; /* the stock layout: rank floor(e * D / E) owns e */
             for (int64_t d = 0; d < D; d++) stock_D[d] = 0;
             for (int64_t e = 0; e < E; e++) stock_D[e * D / E] += load[e];
             for (int64_t d = 0; d < D; d++) stock_hi = stock_D[d] > stock_hi ? stock_D[d] : stock_hi;
-            if ((double)(stock_hi * D) <= tol_limit * (double)total) {
+            if (within_limit(stock_hi, D, tol_limit * (double)total)) {
                 code = STOCK;
             } else {
                 for (int64_t e = 0; e < E; e++) n_E[e] = 1;
                 int64_t n = place(&w, load, n_E, rank_all), lean_hi = 0;
                 for (int64_t d = 0; d < D; d++) lean_hi = w.rank_load[d] > lean_hi ? w.rank_load[d] : lean_hi;
-                if ((double)(lean_hi * D) <= tol_limit * (double)total) {
+                if (within_limit(lean_hi, D, tol_limit * (double)total)) {
                     code = LEAN;
                     replicas = slot_table(&w, n, rank_all, se, &unplaced);
                     placed_lean = 1;

@@ -25,6 +25,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "_within.h"
+
 enum { NEGATIVE = -1, STOCK = 0, CASCADE = 1, GAVE_UP = 2 };
 static const int64_t NEVER = (int64_t)1 << 62; /* slack of the taker past the last one */
 
@@ -267,7 +269,7 @@ static PyObject *cascade_plan(PyObject *self, PyObject *const *args, Py_ssize_t 
         for (int64_t d = 0; d < D; d++) hi = base[d] > hi ? base[d] : hi;
         int64_t T = (total + D - 1) / D;
         info[0] = T, info[1] = hi, info[2] = 0, info[3] = total;
-        int tolerated = tol_limit > 0 && (double)(hi * D) <= tol_limit * (double)total;
+        int tolerated = tol_limit > 0 && within_limit(hi, D, tol_limit * (double)total);
         if (hi > T && S > 0 && !tolerated) {
             /* nodes order the chain only where every rank owns at most one expert */
             int64_t G = (E <= D && rpn < D) ? rpn : D;
