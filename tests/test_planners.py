@@ -170,10 +170,12 @@ def test_policy_config_takes_numpy_numbers_as_plain_ones():
 
 @pytest.mark.parametrize("bad", [dict(num_ranks=0), dict(slots=-1), dict(ranks_per_node=3),
                                  dict(num_experts=0), dict(window=0), dict(tolerance=-0.1),
-                                 dict(tolerance=1.5), dict(tolerance="0.1"), dict(tolerance=True)])
+                                 dict(tolerance=1.5), dict(tolerance="0.1"), dict(tolerance=True),
+                                 dict(slots=True), dict(num_ranks=True, ranks_per_node=1),
+                                 dict(num_experts=np.bool_(True)), dict(window=True), dict(ranks_per_node=False)])
 def test_config_errors(bad):
     kw = dict(num_ranks=8, num_experts=8, ranks_per_node=4, slots=1) | bad
-    with pytest.raises(PlannerError):
+    with pytest.raises(PlannerError, match=next(iter(bad))):
         PlannerConfig(**kw)
 
 

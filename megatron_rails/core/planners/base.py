@@ -19,6 +19,11 @@ class PlannerError(PlanError):
     """A planner cannot serve this configuration or input."""
 
 
+def _integer(v) -> bool:
+    """An integer, not a bool (True would pass as 1 slot or 1 rank, as PolicyConfig refuses it)."""
+    return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
+
+
 def valid_tolerance(t) -> bool:
     """A tolerance is a number (not a bool) in [0, 1]."""
     return not isinstance(t, bool) and isinstance(t, (int, float, np.integer, np.floating)) and 0 <= t <= 1
@@ -58,12 +63,12 @@ class PlannerConfig:
             raise PlannerError(f"tolerance must be a number in [0, 1], got {self.tolerance!r}")
         for name in ("num_ranks", "num_experts", "window", "interval"):
             v = getattr(self, name)
-            if not isinstance(v, (int, np.integer)) or v < 1:
+            if not _integer(v) or v < 1:
                 raise PlannerError(f"{name} must be a positive integer, got {v!r}")
-        if not isinstance(self.slots, (int, np.integer)) or self.slots < 0:
+        if not _integer(self.slots) or self.slots < 0:
             raise PlannerError(f"slots must be a non-negative integer, got {self.slots!r}")
         g = self.ranks_per_node
-        if not isinstance(g, (int, np.integer)) or g < 1:
+        if not _integer(g) or g < 1:
             raise PlannerError(f"ranks_per_node must be a positive integer, got {g!r}")
         if self.num_ranks < g:
             object.__setattr__(self, "ranks_per_node", int(self.num_ranks))
