@@ -41,6 +41,8 @@ for shape in mixtral-8x7b mixtral-8x22b; do
   timeout 180 "$PY" -m megatron_rails.cli bench local --device cuda --shape "$shape" \
     --out "$OUT/local-$shape.json" > "$OUT/local-$shape.txt" 2>&1
   say "  $shape: exit $?"; grep -E "^  [a-z]+ +(uniform|zipf)" "$OUT/local-$shape.txt" | tee -a "$OUT/summary.txt"
+  "$PY" -c 'import json, sys; print("  targets met:", json.load(open(sys.argv[1]))["targets"])' \
+    "$OUT/local-$shape.json" 2>&1 | tail -1 | tee -a "$OUT/summary.txt"
 done
 MEGATRON_RAILS_SEND_ORDER=device timeout 180 "$PY" -m megatron_rails.cli bench local --device cuda \
   --shape mixtral-8x7b --out "$OUT/local-mixtral-8x7b-device-order.json" > "$OUT/local-device.txt" 2>&1

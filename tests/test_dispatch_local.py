@@ -1,11 +1,13 @@
 """The dispatcher's local work (dispatcher.order_pairs / sum_pairs / receive_order / segment_order)
 against direct single-process references: the routed pairs, per-token sums in float64, and the
 received rows labelled with their (source, slot) from the plan's route."""
+import json
+
 import numpy as np
 import pytest
 import torch
 
-from megatron_rails.bench.local import bench_local
+from megatron_rails.bench.local import bench_local, markdown_table
 from megatron_rails.core.policy import PolicyConfig
 from megatron_rails.runtime import receive as receive_mod
 from megatron_rails.runtime.local import order_pairs, order_pairs_on_device, pairs_per_token_range, sum_pairs, token_rows
@@ -300,6 +302,13 @@ def test_bench_local_runs_and_checks_the_send_order(tmp_path):
             assert r["rows_received"] < r["rows_received_stock"]
         elif r["policy"] != "eplb":  # eplb splits an expert's tokens evenly over its replicas, not exactly
             assert r["rows_received"] <= r["rows_received_stock"]
+    # the targets read off the rows (each limit against each row's own ratio), and one table line per row
+    for skew, limit in (("uniform", 1.2), ("zipf:1.2", 1.6)):
+        assert res["targets"][f"{skew}_ratio_le_{limit}"] == {r["policy"]: r["ratio_vs_megatron"] <= limit
+                                                               for r in res["rows"] if r["skew"] == skew}
+    assert json.loads(out.read_text())["targets"] == res["targets"]
+    table = markdown_table(res["rows"]).splitlines()
+    assert len(table) == 2 + len(res["rows"]) and all(line.count("|") == 11 for line in table)
 
 
 def test_collective_device_follows_the_backend(monkeypatch):

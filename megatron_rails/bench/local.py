@@ -42,6 +42,8 @@ SHAPES = {
 DTYPES = ("bfloat16", "float16", "float32")  # hidden-state dtypes the timed kernels take
 POLICIES = ["none", "eplb", "ultraep", "lp", "fsep"]
 SKEWS = {"uniform": 0.0, "zipf:1.2": 1.2}
+# the GPU issue's targets: (plan + local) / Megatron-Core's permute-unpermute, every policy, on CUDA
+TARGETS = {"uniform": 1.2, "zipf:1.2": 1.6}
 
 
 def routing(shape: dict, s: float, seed: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -205,6 +207,25 @@ def _rows_for(policy: str, skew: str, shape: dict, dtype, device, reps: int, syn
             "ratio_of_medians": (plan_p50 + ours) / stock, **facts}
 
 
+def targets(rows: list[dict]) -> dict:
+    """The issue's targets on the rows (True: met): ratio_vs_megatron at most TARGETS[skew], per
+    policy. They are set for CUDA; on CPU they are reported all the same, as a smoke check."""
+    return {f"{skew}_ratio_le_{limit}": {r["policy"]: r["ratio_vs_megatron"] <= limit for r in rows
+                                         if r["skew"] == skew} for skew, limit in TARGETS.items()}
+
+
+def markdown_table(rows: list[dict]) -> str:
+    """The rows as a markdown table (docs/benchmarks.md): medians in microseconds."""
+    lines = ["| routing | policy | plan | dispatch | regroup | combine | plan + local | Megatron-Core | ratio "
+             "| rows received (ours / stock busiest) |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['skew'].replace(':', ' ')} | {r['policy']} | {r['plan_us_p50']:.0f} | "
+                     f"{r['dispatch_us_p50']:.0f} | {r['regroup_us_p50']:.0f} | {r['combine_us_p50']:.0f} | "
+                     f"{r['plan_plus_local_us_p50']:.0f} | {r['megatron_local_us_p50']:.0f} | "
+                     f"{r['ratio_vs_megatron']:.2f} | {r['rows_received']} / {r['rows_received_stock']} |")
+    return "\n".join(lines)
+
+
 def bench_local(out: str, shape_name: str = "mixtral-8x7b", device: str = "cpu", dtype: str = "bfloat16",
                 reps: int = 200) -> dict:
     if shape_name not in SHAPES:
@@ -255,7 +276,7 @@ def bench_local(out: str, shape_name: str = "mixtral-8x7b", device: str = "cpu",
                             "unfused; ratio_vs_megatron: median over rounds of (plan + local) / megatron "
                             "(paired), ratio_of_medians: the same from the medians; *_host_us_p50: until the "
                             "call returned (the host's share), the others to the sync after it"},
-           "rows": rows}
+           "rows": rows, "targets": targets(rows)}
     write_text(out, json.dumps(res, indent=1))
     # stdout: the summary, as every bench (stderr where --out is stdout); stderr: progress and where the
     # results went
