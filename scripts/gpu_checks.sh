@@ -30,6 +30,13 @@ say() { echo "[gpu_checks $(date +%H:%M:%S)] $*" | tee -a "$OUT/summary.txt"; }
 
 "$PY" setup.py -q build_ext --inplace > "$OUT/build.txt" 2>&1
 built=$?
+if [ $built != 0 ]; then  # e.g. a setuptools older than pyproject.toml needs: the C files alone
+  ext=$("$PY" -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')
+  inc=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["include"])')
+  for c in megatron_rails/core/_route_c.c megatron_rails/core/planners/_ultraep_c.c megatron_rails/core/planners/_fsep_c.c; do
+    cc -O3 -std=c11 -shared -fPIC -I"$inc" "$c" -o "${c%.c}$ext" >> "$OUT/build.txt" 2>&1 || built=$?
+  done
+fi
 say "0. compiled parts: build exit $built; $("$PY" -c 'from megatron_rails.core.compiled import compiled as c
 parts = [("megatron_rails.core._route_c", "rank_tables"), ("megatron_rails.core.planners._fsep_c", "fsep_layout"),
          ("megatron_rails.core.planners._ultraep_c", "cascade_plan")]
