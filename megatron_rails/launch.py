@@ -14,10 +14,13 @@ import sys
 from pathlib import Path
 
 USAGE = """usage: python -m megatron_rails.launch SCRIPT [ARGS...]
-  SCRIPT  Megatron-LM's pretrain_gpt.py (or another script built on megatron.training)
-  ARGS    Megatron-LM's arguments plus --moe-balancer, --moe-balancer-slots, --moe-rails-comm and
-          --rails-config (listed by `SCRIPT --help` under "megatron-rails"; docs/megatron-lm.md)
-megatron.training comes from a Megatron-LM checkout: the script's directory, PYTHONPATH or MEGATRON_LM_DIR."""
+  SCRIPT  Megatron-LM's pretrain_gpt.py (or another script built on
+          megatron.training)
+  ARGS    Megatron-LM's arguments plus --moe-balancer, --moe-balancer-slots,
+          --moe-rails-comm and --rails-config (listed by `SCRIPT --help` under
+          "megatron-rails"; docs/megatron-lm.md)
+megatron.training comes from a Megatron-LM checkout: the script's directory,
+PYTHONPATH or MEGATRON_LM_DIR."""
 NO_CUDA = "Megatron requires CUDA."  # initialize_megatron's assertion where torch sees no GPU (core_v0.15 .. main)
 
 
@@ -36,8 +39,9 @@ def main(argv=None) -> int:
     script = Path(argv[0])
     if argv[0].startswith("-"):
         return error(f"SCRIPT comes first, then its arguments (got the flag {argv[0]}); " + USAGE.splitlines()[0])
-    if not script.is_file():
-        return error(f"{argv[0]}: no such file (give the path to Megatron-LM's pretrain_gpt.py)")
+    why = not_a_script(argv[0])
+    if why:
+        return error(why)
     # before anything imports megatron: the checkout's megatron.core must win over the pip package's,
     # as under `python SCRIPT` (sys.path[0] is the script's directory), else its megatron.training
     # would run against another megatron.core than it does without us
@@ -59,6 +63,29 @@ def main(argv=None) -> int:
         return error(f"Megatron-LM's training loop needs a CUDA GPU ({NO_CUDA!r}: initialize_megatron) and "
                      "torch sees none here; `megatron-rails demo` trains with the balancer on CPU")
     return 0
+
+
+def not_a_script(path: str) -> str | None:
+    """Why `path` cannot be the training script (one line), or None: missing, a directory or a
+    device, a config file, a file that is not Python source. A .py file's own syntax errors are
+    left to Python, whose traceback points at the line."""
+    from .core.errors import check_file
+
+    try:
+        check_file(path, "Python script", missing=ValueError(f"{path}: no such file (give the path to "
+                                                             "Megatron-LM's pretrain_gpt.py)"))
+    except ValueError as err:  # InputError is one
+        return str(err)
+    suffix = Path(path).suffix.lower()
+    if suffix in (".yaml", ".yml", ".json"):
+        return (f"{path} is a config file, not a Python script: a run config runs with `python -m "
+                "megatron_rails.pretrain --run-config FILE`, a policy config with SCRIPT ... --rails-config FILE")
+    if suffix != ".py":
+        try:
+            compile(Path(path).read_bytes(), path, "exec")
+        except (SyntaxError, ValueError) as err:  # ValueError: NUL bytes; SyntaxError: not Python, or not text
+            return f"{path}: not a Python script ({type(err).__name__}: {str(err).splitlines()[0]})"
+    return None
 
 
 def checkout_first(script: Path) -> None:

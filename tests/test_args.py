@@ -482,6 +482,45 @@ def test_launcher_without_a_gpu_says_so_in_one_line(tmp_path, message):
         "megatron_rails.launch: error: Megatron-LM's training loop needs a CUDA GPU"), proc.stderr
 
 
+@pytest.mark.parametrize("what", ["run config", "directory", "empty", "device", "text", "binary"])
+def test_launcher_refuses_what_is_no_script_in_one_line(tmp_path, what):
+    lib, _ = make_fake(tmp_path, "core_v0.16")
+    (tmp_path / "notes.txt").write_text("This is not Python, it's prose.\n")
+    (tmp_path / "blob").write_bytes(bytes(range(256)))
+    path, want = {"run config": (ROOT / "configs/mixtral/mixtral-8x7b.yaml", "is a config file, not a Python script"),
+                  "directory": (tmp_path, "is a directory"), "empty": ("", "an empty path"),
+                  "device": ("/dev/null", "not a regular file"), "text": (tmp_path / "notes.txt", "not a Python script"),
+                  "binary": (tmp_path / "blob", "not a Python script")}[what]
+    proc = launch(path, "--moe-balancer", "fsep", pythonpath=str(lib), cwd=tmp_path)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and want in proc.stderr, proc.stderr
+
+
+def test_launcher_usage_fits_80_columns():
+    proc = launch("--help")
+    assert proc.returncode == 0 and "usage: python -m megatron_rails.launch SCRIPT" in proc.stdout
+    assert max(map(len, proc.stdout.splitlines())) <= 80, proc.stdout
+
+
+@pytest.mark.parametrize("argv,want", [
+    (["--rails-config", "{tmp}/dup.yaml"], "--rails-config: {tmp}/dup.yaml: not valid YAML: key 'policy' given twice"),
+    (["--moe-balancer-slots", "2"], "--moe-balancer-slots given without --moe-balancer or --rails-config"),
+    (["--rails-config", "{tmp}/s0.yaml"], "slots: ultraep balances through redundant replica slots")])
+def test_launcher_checks_our_flags_at_the_first_parse(tmp_path, argv, want):
+    """Megatron-LM's initialize_megatron checks CUDA before it parses (and then starts torch.distributed):
+    our flags and the --rails-config file are checked at the first parse, before either."""
+    lib, script = make_fake(tmp_path, "core_v0.16")
+    init = lib / "megatron/training/initialize.py"
+    init.write_text(init.read_text().replace("    args = parse_args(", "    assert False, 'Megatron requires CUDA.'\n"
+                                                                          "    args = parse_args(", 1))
+    (tmp_path / "dup.yaml").write_text("policy: fsep\nslots: 1\npolicy: eplb\n")
+    (tmp_path / "s0.yaml").write_text("policy: ultraep\nslots: 0\n")
+    proc = launch(script, "--num-experts", "8", *[a.format(tmp=tmp_path) for a in argv], pythonpath=str(lib),
+                  cwd=tmp_path)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert want.format(tmp=tmp_path) in proc.stderr and "CUDA" not in proc.stderr, proc.stderr
+
+
 def test_launcher_without_balancer_keeps_megatron_stock(tmp_path):
     lib, script = make_fake(tmp_path, "core_v0.16")
     proc = launch(script, "--num-experts", "8", "--own-flag", "1", pythonpath=str(lib))

@@ -65,6 +65,8 @@ def check_file(path, what: str, error=InputError, missing: Exception | None = No
     error("PATH: is a directory, ...") or error("PATH: not a regular file ..."; a pipe or device,
     which reading would block on or drain), and, where nothing is there, `missing` (callers word it
     and pick its type, FileNotFoundError for loaders) or error("PATH: WHAT file not found")."""
+    if not str(path):  # Path("") is ".", which would read as "a directory"
+        raise error(f"an empty path; give a {what} file")
     p = Path(path)
     if p.is_dir():
         raise error(f"{p}: is a directory, not a {what} file")

@@ -28,7 +28,7 @@ import runpy
 import sys
 from pathlib import Path
 
-from .args import FLAGS, add_arguments, chain_extra_args, install_from_args
+from .args import FLAGS, add_arguments, chain_extra_args, install_from_args, policy_from_args
 
 CHECKOUT_HINT = "put a Megatron-LM checkout on PYTHONPATH or set MEGATRON_LM_DIR"
 
@@ -80,7 +80,11 @@ def _with_our_provider(parse_args):
     def wrapper(*args, **kwargs):
         bound = sig.bind(*args, **kwargs)
         bound.arguments["extra_args_provider"] = chain_extra_args(bound.arguments.get("extra_args_provider"))
-        return parse_args(*bound.args, **bound.kwargs)
+        parsed = parse_args(*bound.args, **bound.kwargs)
+        # our flags and --rails-config's content checked now, at the first parse (before Megatron's
+        # CUDA check and distributed start-up); the dispatcher is installed once the args are final
+        policy_from_args(with_our_flags(argparse.Namespace(**vars(parsed))))
+        return parsed
 
     return wrapper
 
@@ -97,9 +101,14 @@ def _install_after(fn, final_args):
 
 
 def install(args) -> None:
-    """install_from_args on Megatron's final args. `--yaml-cfg` replaces Megatron's namespace with
-    one read from its YAML: our flags on the command line then win over the YAML's (docs/megatron-lm.md),
-    which count where the command line has none."""
+    """install_from_args on Megatron's final args (with_our_flags)."""
+    install_from_args(with_our_flags(args))
+
+
+def with_our_flags(args):
+    """`args` with our flags as the command line gives them. `--yaml-cfg` replaces Megatron's
+    namespace with one read from its YAML: our flags on the command line then win over the YAML's
+    (docs/megatron-lm.md), which count where the command line has none."""
     from_yaml = getattr(args, "yaml_cfg", None) is not None or \
         any(a == "--yaml-cfg" or a.startswith("--yaml-cfg=") for a in sys.argv[1:])
     if from_yaml or any(not hasattr(args, dest) for dest in FLAGS):
@@ -108,7 +117,7 @@ def install(args) -> None:
         for dest in FLAGS:
             if getattr(ours, dest) is not None or not hasattr(args, dest):
                 setattr(args, dest, getattr(ours, dest))
-    install_from_args(args)
+    return args
 
 
 @contextlib.contextmanager
