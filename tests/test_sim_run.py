@@ -168,7 +168,7 @@ def test_table_and_progress(capsys):
     ([X7, "--policies", "none,bogus"], "unknown policy 'bogus'"),
     ([X7, "--comm", "direct,ib"], "unknown comm 'ib'"),
     (["/nonexistent/run.yaml"], "file not found"),
-    ([X7, "--policies", ""], "at least one policy"),
+    ([X7, "--policies", ""], "--policies '': no policy named"),
     ([X7, "--skew", "zipf:x"], "bad skew"),
     ([X7, "--trace", "/nonexistent/trace.npz"], "does not exist"),
     ([X7, "model.num_layerz=3"], "unknown key"),

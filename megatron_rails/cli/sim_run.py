@@ -75,6 +75,9 @@ def run(args) -> dict:
     if args.trace is not None and "seed" not in args.unset:
         raise InputError("--seed draws the --skew workload; a --trace replays its own counts: drop --seed")
     policies, comms = check_names(args.policies, args.comm)  # fail before loading anything
+    if args.slots is not None and set(policies) == {"none"}:
+        raise InputError(f"--slots {args.slots} would change nothing with --policies none (it keeps the stock "
+                         "layout, no redundant slots); drop --slots")
     SimOptions(mfu=args.mfu, overlap=args.overlap, a2a_model=args.a2a_model, weight_sync=args.weight_sync)
     rc = load_run_config(args.config, [*args.overrides, *args.set])
     setup = Setup.from_run_config(rc, args.slots)

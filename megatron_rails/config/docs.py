@@ -87,7 +87,8 @@ boolean key refuses), `010` is ten (not YAML 1.1's octal eight), and `2:00` is t
 sexagesimal 120).
 
 **Overrides**, the same on every command line and in `load_run_config(path, overrides)`: `KEY=VALUE` or
-`SECTION.KEY=VALUE`, the value parsed as YAML, applied in order before validation:
+`SECTION.KEY=VALUE`, the value parsed as YAML, applied in order before validation (an empty value is
+refused: YAML's null is written out, `balancer=null` for stock Megatron-Core):
 
 ```bash
 megatron-rails config show configs/mini/mini-mixtral.yaml balancer.policy=ultraep training.train_iters=10

@@ -144,6 +144,9 @@ def parse_override(text: str) -> tuple[list[str], object]:
     if not sep or not all(p.strip() for p in parts):
         raise ConfigError(f"override {text!r}: expected KEY=VALUE or SECTION.KEY=VALUE, "
                           f"e.g. training.train_iters=10")
+    if not raw.strip():  # YAML would read null: for `balancer=` that is stock Megatron, silently
+        raise ConfigError(f"override {shown(text)}: an empty value; write {key.strip()}=null for none (YAML's "
+                          "null), else give a value")
     try:  # the checks a file gets: string keys, bounded aliases
         return [p.strip() for p in parts], parse(raw)
     except yaml.YAMLError as e:

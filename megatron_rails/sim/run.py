@@ -114,8 +114,11 @@ def check_names(policies, comms) -> tuple[list[str], list[str]]:
     for c in cms:
         if c not in COMMS:
             raise SimError(f"unknown comm {c!r}; choose from {', '.join(COMMS)}")
-    if not pols or not cms:
-        raise SimError("need at least one policy and one comm")
+    if not pols:
+        raise SimError(f"--policies {policies!r}: no policy named; give one or more of {', '.join(POLICIES)}, "
+                       "comma-separated")
+    if not cms:
+        raise SimError(f"--comm {comms!r}: no comm named; give one or more of {', '.join(COMMS)}, comma-separated")
     return list(dict.fromkeys(pols)), list(dict.fromkeys(cms))
 
 
