@@ -105,8 +105,17 @@ def test_launch_dry_run(tmp_path):
             (["configs/mini/nope.yaml"], {}, "run config 'configs/mini/nope.yaml' not found"),
             ([MINI, "training.stepz=1"], {}, "unknown key 'training.stepz'"),
             ([MINI], {"SLURM_NNODES": "0"}, "SLURM_NNODES=0 is not a node count"),
-            ([MINI], {"SLURM_NNODES": "4", "SLURM_NODEID": "9"}, "SLURM_NODEID=9 is not a node of this job (0 .. 3)")):
-        p = subprocess.run(["scripts/slurm/launch.sh", *args], cwd=ROOT, env=dict(env, MR_DRY_RUN="1", **extra),
+            ([MINI], {"SLURM_NNODES": "4", "SLURM_NODEID": "9"}, "SLURM_NODEID=9 is not a node of this job (0 .. 3)"),
+            # what bash itself would have reported (or not at all), and a file of the wrong kind
+            ([MINI], {"SLURM_NNODES": "08", "SLURM_NODEID": "07"}, "world size 4 does not split over 8 Slurm nodes"),
+            ([MINI], {"SLURM_JOB_ID": "abc"}, "SLURM_JOB_ID=abc is not a job id"),
+            ([MINI], {"MASTER_PORT": "70000"}, "MASTER_PORT=70000 is not a TCP port"),
+            ([MINI], {"MR_DRY_RUN": "yes"}, "MR_DRY_RUN=yes: expected 1"),
+            ([MINI], {"MEGATRON_RAILS_PYTHON": "/nonexistent/python"}, "MEGATRON_RAILS_PYTHON=/nonexistent/python: no "
+                                                                       "such Python"),
+            (["configs"], {}, "configs: is a directory, not a run config file"),
+            (["configs/policies/fsep.yaml"], {}, "--megatron-args needs a run config, this is a policy config")):
+        p = subprocess.run(["scripts/slurm/launch.sh", *args], cwd=ROOT, env={**env, "MR_DRY_RUN": "1", **extra},
                            capture_output=True, text=True, timeout=120)
         assert p.returncode != 0 and msg in p.stderr, p.stderr
 
