@@ -84,7 +84,7 @@ exponent without a dot as a string); NaN and inf are not, and integer keys of th
 2^31 - 1 (policy and topology keys have the ranges given below). Booleans and integers are read as
 YAML 1.2 reads them: only `true` and `false` are booleans (`yes`, `no`, `on`, `off` are text, which a
 boolean key refuses), `010` is ten (not YAML 1.1's octal eight), and `2:00` is text (not 1.1's
-sexagesimal 120).
+sexagesimal 120); beyond 1.2, digits may be grouped with `_` as in Python (`1_000` is a thousand).
 
 **Overrides**, the same on every command line and in `load_run_config(path, overrides)`: `KEY=VALUE` or
 `SECTION.KEY=VALUE`, the value parsed as YAML, applied in order before validation (an empty value is
