@@ -52,6 +52,25 @@ def test_simulate_run_fits_80_columns():
     assert "direct and rails rows are the same" in " ".join(p.stdout.split())
 
 
+@pytest.mark.parametrize("sizes", [["training.global_batch_size=65536"],
+                                   ["training.global_batch_size=1000000", "model.num_layers=2000", "--mfu", "0.001"]])
+def test_simulate_run_fits_80_columns_at_huge_times(sizes):
+    """Iteration times of hours to years print compactly: no cell folds (a policy or comm cut over two
+    rows), and the numbers read back as the JSON's within their shown digits."""
+
+    argv = ["simulate", "run", X7, "--policies", "none,ultraep", "--comm", "direct,rails", "--steps", "1", "--quiet",
+            *sizes]
+    p = run80(*argv)
+    check_fits(p.stdout)
+    body = [ln.split("│") for ln in p.stdout.splitlines() if "│" in ln and ln.split("│")[0].strip() in ("none",
+                                                                                                     "ultraep")]
+    assert len(body) == 4 and all(c[1].strip() in ("direct", "rails") for c in body), p.stdout
+    want = {(r["policy"], r["comm"]): r["iteration_ms"] for r in json.loads(run80(*argv, "--json").stdout)["rows"]}
+    for c in body:
+        shown = float(c[2])
+        assert abs(shown - want[(c[0].strip(), c[1].strip())]) <= 0.006 * shown, (c, want)
+
+
 def test_simulate_run_wide_and_topology_override():
     p = run80("simulate", "run", X7, "topology=dgx-a100", "--policies", "none,fsep", "--comm", "direct",
               "--steps", "1", "--quiet", "--wide")

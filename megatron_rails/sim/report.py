@@ -26,13 +26,14 @@ def print_table(result: dict, wide: bool = False) -> None:
     t = table(title, cols, left=("policy", "comm"))
     for r in result["rows"]:
         b = r["breakdown"]
-        head = [r["policy"], r["comm"], f"{r['iteration_ms']:.1f}", f"{r['speedup']:.3f}x"]
+        ms = (lambda v: f"{v:.1f}") if wide else _ms
+        head = [r["policy"], r["comm"], ms(r["iteration_ms"]), f"{r['speedup']:.3f}x"]
         if wide:
             t.add_row(*head, *(f"{b[c]:.1f}" for c in COMPONENTS), f"{100 * r['of_force_balanced']:.1f}%",
                       f"{r['max_over_mean']:.3f}", f"{r['planner_us_median']:.0f}")
         else:
-            t.add_row(*head, f"{b['expert_compute_ms']:.1f}", f"{b['token_a2a_ms']:.1f}",
-                      f"{b['weights_ms'] + b['planner_ms']:.1f}", f"{r['max_over_mean']:.3f}")
+            t.add_row(*head, ms(b["expert_compute_ms"]), ms(b["token_a2a_ms"]),
+                      ms(b["weights_ms"] + b["planner_ms"]), f"{r['max_over_mean']:.3f}")
     con = console(t, wide)
     con.print(t)
     ideal = ", ".join(f"{r['comm']} {r['iteration_ms']:.1f} ms" for r in result["force_balanced"])
@@ -51,6 +52,17 @@ def print_table(result: dict, wide: bool = False) -> None:
     if s["ep_nodes"] == 1 and {"direct", "rails"} <= comms:
         note(con, f"direct and rails rows are the same: the EP group of {s['ep']} ranks fits in one node, so no "
                   f"token crosses a NIC and rail routing has nothing to change (rails differs once EP spans nodes)")
+
+
+def _ms(v: float) -> str:
+    """Milliseconds in at most 7 characters below 10^100, so that eight columns fit 80: a tenth below
+    10^5, whole below 10^7, then three digits and an exponent (1.64e12; --wide prints every digit)."""
+    if v < 1e5:
+        return f"{v:.1f}"
+    if v < 1e7:
+        return f"{v:.0f}"
+    mantissa, _, exp = f"{v:.2e}".partition("e")
+    return f"{mantissa}e{int(exp)}"
 
 
 def dedup_note(result: dict) -> str:
