@@ -228,6 +228,7 @@ CASES = [
      "--slots 3 would change nothing with --policies none"),
     ("simulate run no policy named", ["simulate", "run", MINI, "--policies", ","], "--policies ',': no policy named"),
     ("simulate run no comm named", ["simulate", "run", MINI, "--comm", ""], "--comm '': no comm named"),
+    ("empty data_path list", ["config", "show", MINI, "data.data_path=[]"], "data.data_path: an empty list"),
     ("empty balancer override", ["config", "show", MINI, "balancer="],
      "override 'balancer=': an empty value; write balancer=null"),
     ("simulate run trace-tokens without trace", ["simulate", "run", MINI, "--trace-tokens", "raw"],
@@ -519,6 +520,9 @@ def test_config_show_and_validate_take_preset_names(capsys):
     assert rc == 0 and out.strip() == "8", err
     rc, out, err = run_cli(["config", "show", "ultraep", "slots=3", "--get", "slots"], capsys)
     assert rc == 0 and out.strip() == "3", err
+    # a bad --get among good ones: nothing printed, the error alone (a script reading $(...) gets no half answer)
+    rc, out, err = run_cli(["config", "show", MINI, "--get", "parallelism.world_size", "--get", "balancer.nope"], capsys)
+    assert rc == 2 and out == "" and "--get balancer.nope" in err
     rc, out, _ = run_cli(["config", "validate", "default", "nvl72"], capsys)
     assert rc == 0 and "OK default (policy: fsep" in out and "OK nvl72 (topology" in out
     rc, _, err = run_cli(["config", "show", "dgx-z9"], capsys)

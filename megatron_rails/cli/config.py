@@ -167,8 +167,8 @@ def cmd_show(args) -> int:
         print(shell_lines(words) if sys.stdout.isatty() else shlex.join(words))
         return 0
     if args.get:
-        for key in args.get:
-            v = _get(data, key)
+        values = [_get(data, key) for key in args.get]  # every key found before any is printed
+        for v in values:
             print(yaml.safe_dump(v, sort_keys=False).strip() if isinstance(v, (dict, list)) else
                   ("null" if v is None else str(v).lower() if isinstance(v, bool) else v))
         return 0

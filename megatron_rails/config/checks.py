@@ -89,7 +89,10 @@ def check_run(cfg, where: str, origin: dict):
             f"(tensor_model_parallel_size {tp}) only with sequence parallelism: set it true")
     if t.bf16 and t.fp16:
         err("training.fp16", "bf16 and fp16 are both true")
-    if d.mock_data == bool(d.data_path):
+    if d.data_path is not None and not d.data_path:  # Megatron would get a bare --data-path
+        err("data.data_path", "an empty list; list the data files (weights and prefixes), or leave it out "
+            "(null) with mock_data: true")
+    elif d.mock_data == bool(d.data_path):
         err("data", "set exactly one of mock_data: true and data_path")
 
     # balancer x expert-parallel group
