@@ -228,6 +228,8 @@ CASES = [
      "--slots 3 would change nothing with --policies none"),
     ("simulate run no policy named", ["simulate", "run", MINI, "--policies", ","], "--policies ',': no policy named"),
     ("simulate run no comm named", ["simulate", "run", MINI, "--comm", ""], "--comm '': no comm named"),
+    ("balancer override a device", ["config", "show", MINI, "balancer=/dev/null"],
+     "balancer: '/dev/null' is not a regular file"),
     ("empty data_path list", ["config", "show", MINI, "data.data_path=[]"], "data.data_path: an empty list"),
     ("empty balancer override", ["config", "show", MINI, "balancer="],
      "override 'balancer=': an empty value; write balancer=null"),

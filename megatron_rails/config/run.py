@@ -344,6 +344,9 @@ def load_run_config(path, overrides=()) -> RunConfig:
             if Path(ref).is_dir():
                 raise ConfigError(f"{where}: {key}: {ref!r} is a directory; give a {kind} file or a preset name "
                                   f"({', '.join(presets.names(pdir))})")
+            if Path(ref).exists():  # a pipe or a device (/dev/null): there, but no file to read
+                raise ConfigError(f"{where}: {key}: {ref!r} is not a regular file (a pipe or a device); give a "
+                                  f"{kind} file or a preset name ({', '.join(presets.names(pdir))})")
             raise ConfigError(f"{where}: {key}: {kind} file {ref!r} not found (a preset name: "
                               f"{', '.join(presets.names(pdir))}; or a path relative to the working "
                               f"directory, {base}" + (f" or {REPO_DIR})" if REPO_DIR else ")"))

@@ -123,5 +123,6 @@ case "${1:-}" in
     start) start ;;
     stop) stop ;;
     status) sinfo 2>/dev/null || { echo "no Slurm cluster answers"; exit 1; } ;;
+    -h|--help) echo "usage: $0 start|stop|status (see the comment at the top of this script)" ;;
     *) echo "usage: $0 start|stop|status" >&2; exit 2 ;;
 esac
