@@ -21,6 +21,7 @@ USAGE = """usage: python -m megatron_rails.launch SCRIPT [ARGS...]
           "megatron-rails"; docs/megatron-lm.md)
 megatron.training comes from a Megatron-LM checkout: the script's directory,
 PYTHONPATH or MEGATRON_LM_DIR."""
+MAX_SCRIPT_BYTES = 16 << 20  # a file without .py beyond this is not compiled to see whether it is Python
 NO_CUDA = "Megatron requires CUDA."  # initialize_megatron's assertion where torch sees no GPU (core_v0.15 .. main)
 
 
@@ -81,6 +82,8 @@ def not_a_script(path: str) -> str | None:
         return (f"{path} is a config file, not a Python script: a run config runs with `python -m "
                 "megatron_rails.pretrain --run-config FILE`, a policy config with SCRIPT ... --rails-config FILE")
     if suffix != ".py":
+        if Path(path).stat().st_size > MAX_SCRIPT_BYTES:  # a checkpoint or a dataset, not worth compiling
+            return f"{path}: not a Python script (over {MAX_SCRIPT_BYTES >> 20} MiB)"
         try:
             compile(Path(path).read_bytes(), path, "exec")
         except (SyntaxError, ValueError) as err:  # ValueError: NUL bytes; SyntaxError: not Python, or not text
