@@ -9,7 +9,7 @@ import json
 
 from ..core.errors import InputError
 from ..core.policy import MAX_SLOTS
-from .args import Default, divisor_of, int_range, no_table_with_json, out_file
+from .args import Default, divisor_of, fill_defaults, int_range, no_table_with_json, out_file
 
 MAX_WORLD = 2048  # GPUs of one simulated all-to-all: its flow model holds [D, D] matrices per rail
 
@@ -76,6 +76,8 @@ def register_trace(subparsers) -> None:
 def _cmd_trace(args) -> int:
     from ..demo.trace import cmd_trace
 
+    if not hasattr(args, "unset"):  # parsed without main(): defaults still wrapped
+        args.unset = fill_defaults(args)
     if args.policy == "none" and "slots" not in args.unset:
         raise InputError(f"--slots {args.slots} would change nothing with --policy none (it keeps the stock "
                          "layout, no redundant slots); drop --slots")
@@ -88,6 +90,8 @@ def run_a2a(args) -> tuple[dict, list[dict]]:
     from ..core.topology import load_topology
     from ..sim.traffic import make_traffic
 
+    if not hasattr(args, "unset"):  # parsed without main() (a script, a test): defaults still wrapped
+        args.unset = fill_defaults(args)
     _slots_used(args)
     topo = load_topology(args.topology).with_nodes(args.nodes)
     D = topo.world_size
