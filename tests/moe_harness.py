@@ -7,23 +7,33 @@ otherwise); a failure on any rank fails the call.
 from __future__ import annotations
 
 import os
+import pickle
+import sys
 import tempfile
+import time
 import traceback
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+import multiprocessing as mp
 
+import rank_boot
 from megatron_rails.runtime.comm.base import leave
 
+
+# what the forkserver imports before it forks ranks: torch and the Megatron-Core modules the tests
+# build from (not megatron_rails: some of its modules read the environment when imported)
+PRELOAD = ["torch", "torch.distributed", "megatron.core.parallel_state", "megatron.core.models.gpt.gpt_model",
+           "megatron.core.transformer.moe.moe_layer", "megatron.core.distributed", "megatron.core.optimizer",
+           "megatron.core.dist_checkpointing"]
 
 # a collective no peer joins (a rank skipping one: the bug class these tests look for) fails the
 # test after this long instead of torch's 30 minutes; a step here takes seconds
 TIMEOUT = timedelta(minutes=5)
 
 
-def _entry(rank, world, store, fn, args, errq, megatron=True, ep=None, parallel=None):
+def _entry(rank, errq, world, store, fn, args, megatron=True, ep=None, parallel=None):
     torch.set_num_threads(1)
     try:
         # rendezvous through a file: no port picked in advance that another process could take
@@ -48,23 +58,53 @@ def _entry(rank, world, store, fn, args, errq, megatron=True, ep=None, parallel=
     leave(0)
 
 
-def spawn(fn, world: int, *args, megatron: bool = True, ep: int | None = None, parallel: dict | None = None) -> None:
+def spawn(fn, world: int, *args, megatron: bool = True, ep: int | None = None, parallel: dict | None = None,
+          fresh: bool = False) -> None:
     """megatron=False: plain gloo ranks (no Megatron import, no parallel state) for comm-only tests.
     ep: the expert-parallel size (default: the ranks of a pipeline stage); world / (pp x ep) expert-
     data-parallel replicas per stage. parallel: more keywords of `initialize_model_parallel`
     (tensor, context, pipeline, virtual pipeline sizes, expert_tensor_parallel_size; not
-    expert_model_parallel_size, which is `ep`)."""
-    ctx = mp.get_context("spawn")
+    expert_model_parallel_size, which is `ep`). fresh: start each rank in a new interpreter instead
+    of forking it from the server, for an environment that decides how the preloaded modules
+    import (TRITON_INTERPRET: Megatron-Core imports Triton where it is installed)."""
+    ctx = mp.get_context("spawn" if fresh else "forkserver")
+    if not fresh:
+        # the server imports these once; every rank forks from it (a failed import is skipped there
+        # and happens in the rank instead, as under spawn)
+        ctx.set_forkserver_preload(PRELOAD)
     errq = ctx.SimpleQueue()
-    try:
-        with tempfile.TemporaryDirectory(prefix="rails-spawn-") as tmp:
-            mp.start_processes(_entry, args=(world, os.path.join(tmp, "store"), fn, args, errq, megatron, ep, parallel),
-                               nprocs=world, join=True, start_method="spawn")
-    except mp.ProcessExitedException as err:
+    with tempfile.TemporaryDirectory(prefix="rails-spawn-") as tmp:
+        payload = pickle.dumps((_entry, (world, os.path.join(tmp, "store"), fn, args, megatron, ep, parallel)))
+        procs = [ctx.Process(target=rank_boot.run, args=(rank, dict(os.environ), list(sys.path), payload, errq),
+                             daemon=True) for rank in range(world)]
+        for p in procs:
+            p.start()
+        codes = _join(procs)
+    if any(codes):
         msgs = []
         while not errq.empty():
             msgs.append(errq.get())
-        raise AssertionError("\n".join(msgs) or str(err)) from None
+        told = {int(m.split(":", 1)[0].split()[1]) for m in msgs}
+        msgs += [f"rank {r}: exit code {c} and no traceback" for r, c in enumerate(codes) if c and r not in told]
+        raise AssertionError("\n".join(msgs))
+
+
+def _join(procs, grace_s: float = 20.0) -> list:
+    """Exit codes of `procs`. Once one fails, the others get `grace_s` to fail too and say why (a
+    peer's failure breaks their collectives at once); those still running then are terminated."""
+    deadline = None
+    while any(p.exitcode is None for p in procs):
+        for p in procs:
+            p.join(0.05)
+        if deadline is None and any(p.exitcode for p in procs):
+            deadline = time.monotonic() + grace_s
+        if deadline is not None and time.monotonic() > deadline:
+            for p in procs:
+                if p.exitcode is None:
+                    p.terminate()
+            for p in procs:
+                p.join()
+    return [p.exitcode for p in procs]
 
 
 def moe_config(world: int, dispatcher: str, experts: int = 8, topk: int = 2, hidden: int = 16, ffn: int = 24):

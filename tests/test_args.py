@@ -505,10 +505,12 @@ def test_launcher_usage_fits_80_columns():
 @pytest.mark.parametrize("argv,want", [
     (["--rails-config", "{tmp}/dup.yaml"], "--rails-config: {tmp}/dup.yaml: not valid YAML: key 'policy' given twice"),
     (["--moe-balancer-slots", "2"], "--moe-balancer-slots given without --moe-balancer or --rails-config"),
-    (["--rails-config", "{tmp}/s0.yaml"], "slots: ultraep balances through redundant replica slots")])
+    (["--rails-config", "{tmp}/s0.yaml"], "slots: ultraep balances through redundant replica slots"),
+    (["--moe-balancer", "fsep"], "--moe-balancer fsep replaces Megatron-Core's alltoall token dispatcher")])
 def test_launcher_checks_our_flags_at_the_first_parse(tmp_path, argv, want):
     """Megatron-LM's initialize_megatron checks CUDA before it parses (and then starts torch.distributed):
-    our flags and the --rails-config file are checked at the first parse, before either."""
+    our flags, the --rails-config file and the Megatron settings they need are checked at the first
+    parse, before either."""
     lib, script = make_fake(tmp_path, "core_v0.16")
     init = lib / "megatron/training/initialize.py"
     init.write_text(init.read_text().replace("    args = parse_args(", "    assert False, 'Megatron requires CUDA.'\n"

@@ -152,7 +152,7 @@ def test_parity_with_the_send_order_made_by_the_triton_kernel(monkeypatch):
     pytest.importorskip("triton")
     monkeypatch.setenv("MEGATRON_RAILS_SEND_ORDER", "triton")  # the spawned ranks inherit both
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    spawn(_worker, 2, POLICIES, 4, 23)
+    spawn(_worker, 2, POLICIES, 4, 23, fresh=True)  # Triton reads it when imported
 
 
 def _spec_worker(rank, world):

@@ -14,5 +14,16 @@
 from __future__ import annotations
 
 from .args import add_arguments, chain_extra_args, install_from_args  # noqa: F401  (Megatron-LM flags)
-from .dispatcher import installed_policy  # noqa: F401
-from .install import install, is_installed, uninstall  # noqa: F401
+
+# imported on first use: the dispatcher imports Megatron-Core (~7 s of CPU), which the launcher
+# need not pay to refuse a bad flag before Megatron-LM's script would import it anyway
+_LAZY = {"installed_policy": ".dispatcher", "install": ".install", "is_installed": ".install",
+         "uninstall": ".install"}
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(_LAZY[name], __name__), name)

@@ -28,7 +28,7 @@ import runpy
 import sys
 from pathlib import Path
 
-from .args import FLAGS, add_arguments, chain_extra_args, install_from_args, policy_from_args
+from .args import FLAGS, add_arguments, chain_extra_args, check_megatron_args, install_from_args, policy_from_args
 
 CHECKOUT_HINT = "put a Megatron-LM checkout on PYTHONPATH or set MEGATRON_LM_DIR"
 
@@ -81,12 +81,29 @@ def _with_our_provider(parse_args):
         bound = sig.bind(*args, **kwargs)
         bound.arguments["extra_args_provider"] = chain_extra_args(bound.arguments.get("extra_args_provider"))
         parsed = parse_args(*bound.args, **bound.kwargs)
-        # our flags and --rails-config's content checked now, at the first parse (before Megatron's
-        # CUDA check and distributed start-up); the dispatcher is installed once the args are final
-        policy_from_args(with_our_flags(argparse.Namespace(**vars(parsed))))
+        # our flags, --rails-config's content and the Megatron settings they need checked now, at the
+        # first parse (before Megatron's CUDA check and distributed start-up); the dispatcher is
+        # installed once the args are final, and they are checked again then
+        ours = with_our_flags(argparse.Namespace(**vars(parsed)))
+        cfg = policy_from_args(ours)
+        if cfg is not None:
+            check_megatron_args(ours, cfg)
+        _define_te_general_gemm()
         return parsed
 
     return wrapper
+
+
+def _define_te_general_gemm() -> None:
+    """Stock runs too: without it Megatron-Core 0.16 cannot run an MoE model without Transformer
+    Engine at all (the NameError is Megatron's, the model math unchanged). Done at the first parse,
+    after our flags are checked: it imports Megatron-Core, which a refused flag need not wait for."""
+    from .compat import define_te_general_gemm
+
+    if define_te_general_gemm() and os.environ.get("RANK", "0") == "0":
+        print("megatron-rails: defined megatron.core moe_utils.te_general_gemm = None (Megatron-Core "
+              "without Transformer Engine leaves it undefined; the router uses its torch GEMM)",
+              file=sys.stderr, flush=True)
 
 
 def _install_after(fn, final_args):
@@ -165,14 +182,6 @@ def run_script(script, argv) -> None:
         sys.path.insert(0, script_dir)
     try:
         with megatron_lm_hooks():
-            from .compat import define_te_general_gemm
-
-            # stock runs too: without it Megatron-Core 0.16 cannot run an MoE model without
-            # Transformer Engine at all (the NameError is Megatron's, the model math unchanged)
-            if define_te_general_gemm() and os.environ.get("RANK", "0") == "0":
-                print("megatron-rails: defined megatron.core moe_utils.te_general_gemm = None (Megatron-Core "
-                      "without Transformer Engine leaves it undefined; the router uses its torch GEMM)",
-                      file=sys.stderr, flush=True)
             runpy.run_path(str(path), run_name="__main__")
     finally:
         sys.argv = saved_argv
