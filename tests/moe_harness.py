@@ -39,6 +39,10 @@ def _entry(rank, errq, world, store, fn, args, megatron=True, ep=None, parallel=
         # rendezvous through a file: no port picked in advance that another process could take
         dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
                                 timeout=TIMEOUT)
+        # every rank has its connections before any may leave: a rank whose function makes no
+        # collective would otherwise close them under a peer still connecting (gloo: "Connection
+        # closed by peer" in that peer's init)
+        dist.barrier()
         if megatron:
             from megatron_rails.megatron import cpu_shims
 
@@ -75,8 +79,8 @@ def spawn(fn, world: int, *args, megatron: bool = True, ep: int | None = None, p
     errq = ctx.SimpleQueue()
     with tempfile.TemporaryDirectory(prefix="rails-spawn-") as tmp:
         payload = pickle.dumps((_entry, (world, os.path.join(tmp, "store"), fn, args, megatron, ep, parallel)))
-        procs = [ctx.Process(target=rank_boot.run, args=(rank, dict(os.environ), list(sys.path), payload, errq),
-                             daemon=True) for rank in range(world)]
+        procs = [ctx.Process(target=rank_boot.run, args=(rank, dict(os.environ), list(sys.path), payload, errq))
+                 for rank in range(world)]
         for p in procs:
             p.start()
         codes = _join(procs)
