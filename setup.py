@@ -1,6 +1,6 @@
 """The compiled parts: the planners' hot paths (ultraep's cascade, megatron_rails/core/planners/_ultraep_c.c;
-fsep's layout, _fsep_c.c) and a plan's token route with a rank's tables from it
-(megatron_rails/core/_route_c.c).
+fsep's layout, _fsep_c.c), a plan's token route with a rank's tables from it
+(megatron_rails/core/_route_c.c) and the simulator's distinct-token model (megatron_rails/sim/_dedup_c.c).
 
 Optional: where no C compiler is available the build goes on without them and both run in pure
 Python (same results, slower). Everything else is declared in pyproject.toml.
@@ -14,4 +14,7 @@ setup(ext_modules=[Extension("megatron_rails.core.planners._ultraep_c", ["megatr
                    Extension("megatron_rails.core.planners._fsep_c", ["megatron_rails/core/planners/_fsep_c.c"],
                              depends=[WITHIN], extra_compile_args=FLAGS, optional=True),
                    Extension("megatron_rails.core._route_c", ["megatron_rails/core/_route_c.c"],
-                             extra_compile_args=FLAGS, optional=True)])
+                             extra_compile_args=FLAGS, optional=True),
+                   # no fused multiply-adds: bit-identical to the numpy loop it replaces
+                   Extension("megatron_rails.sim._dedup_c", ["megatron_rails/sim/_dedup_c.c"],
+                             extra_compile_args=FLAGS + ["-ffp-contract=off"], optional=True)])

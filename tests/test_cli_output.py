@@ -53,7 +53,7 @@ def test_simulate_run_fits_80_columns():
 
 
 @pytest.mark.parametrize("sizes", [["training.global_batch_size=65536"],
-                                   ["training.global_batch_size=1000000", "model.num_layers=2000", "--mfu", "0.001"]])
+                                   ["training.global_batch_size=10000000", "model.num_layers=200", "--mfu", "0.001"]])
 def test_simulate_run_fits_80_columns_at_huge_times(sizes):
     """Iteration times of hours to years print compactly: no cell folds (a policy or comm cut over two
     rows), and the numbers read back as the JSON's within their shown digits."""

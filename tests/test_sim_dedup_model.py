@@ -5,6 +5,8 @@ properties the issue states (top-1 and one node change nothing, dedup never adds
 report; the DeepSeek-V3-like config."""
 import itertools
 import json
+import os
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -13,6 +15,7 @@ import pytest
 from megatron_rails import cli
 from megatron_rails.config.run import load_run_config
 from megatron_rails.core.planners import PlannerConfig, make_planner
+from megatron_rails.sim import model as sim_model
 from megatron_rails.sim.model import (CommModel, Setup, SimOptions, distinct_ratio_DV, entry_DV, route_rows_DEV,
                                       token_traffic)
 from megatron_rails.sim.run import Workload, simulate_run
@@ -59,6 +62,34 @@ def test_generating_functions_match_enumeration():
         p = counts[0] / 100
         assert got == pytest.approx(enumerate_ratio(p, f, k), rel=1e-10)
         assert np.all(got <= 1.0)
+
+
+PURE = os.environ.get("MEGATRON_RAILS_PURE_PYTHON", "") not in ("", "0")
+
+
+def test_compiled_model_is_built_where_a_compiler_exists():
+    if PURE or shutil.which("cc") is None:
+        pytest.skip("pure Python here (MEGATRON_RAILS_PURE_PYTHON or no C compiler)")
+    assert sim_model._DISTINCT_PAIRS is not None, \
+        "megatron_rails/sim/_dedup_c.c was not built: reinstall (pip install -e .)"
+
+
+def test_compiled_model_is_bit_identical_to_the_numpy_loop():
+    """The compiled loop (sim/_dedup_c.c) against the numpy loop it replaces, bit for bit: random
+    shapes, zero counts, experts no source routes to, rows on one node or spread, top-k up to E."""
+    rng = np.random.default_rng(11)
+    shapes = [(64, 256, 8, 8)] + [(int(rng.integers(1, 20)), int(rng.integers(1, 40)), int(rng.integers(1, 6)), 0)
+                                  for _ in range(200)]
+    for D, E, V, k in shapes:
+        k = k or int(rng.integers(1, min(E, 9) + 1))
+        counts = rng.integers(0, 60, (D, E)) * (rng.random((D, E)) < 0.7)
+        share = rng.random((D, E, V)) * (rng.random((D, E, V)) < 0.5)
+        share[..., rng.integers(0, V)] += rng.random() < 0.2  # sometimes every row reaches one node
+        total = share.sum(axis=2, keepdims=True)
+        rows = counts[:, :, None] * np.where(total > 0, share / np.where(total > 0, total, 1), 0)
+        fast = distinct_ratio_DV(counts, rows, k)
+        slow = distinct_ratio_DV(counts, rows, k, compiled=False)
+        assert fast.dtype == slow.dtype == np.float64 and np.array_equal(fast, slow), (D, E, V, k)
 
 
 def gumbel_topk(rng, p_E, T, k):

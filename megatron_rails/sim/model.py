@@ -67,6 +67,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .rails import build_schedule, simulate_schedule
+from ..core.compiled import compiled
 from ..core.errors import InputError
 from ..core.topology import Topology
 
@@ -299,7 +300,10 @@ class CommModel:
 
 # -- node dedup (issue #17) -------------------------------------------------------------------------------------
 
-def distinct_ratio_DV(counts_DE, rows_DEV, topk: int) -> np.ndarray:
+_DISTINCT_PAIRS = compiled("megatron_rails.sim._dedup_c", "distinct_pairs")  # None: the numpy loop below
+
+
+def distinct_ratio_DV(counts_DE, rows_DEV, topk: int, compiled: bool = True) -> np.ndarray:
     """float64 [D, V]: for the tokens of source rank s, E[tokens with >= 1 pair on node b] / E[pairs on b],
     in [0, 1] (1 where s sends b nothing). Analytic, no sampling (the module docstring's model): a token
     picks each expert e independently with p_e = counts_DE[s, e] / T_s (T_s = the row's sum / topk,
@@ -312,7 +316,8 @@ def distinct_ratio_DV(counts_DE, rows_DEV, topk: int) -> np.ndarray:
         C(z) = sum_e p_e f_eb z prod_{j != e} (1 - p_j + p_j z)   E[pairs on b; topk picks]
     give the ratio (A - B) / C: one pass over the experts, polynomials truncated at degree topk, all
     terms non-negative, vectorized over (s, b). The union bound (A - B <= C) keeps it <= 1, and with
-    topk = 1 it is 1 (A - B = C)."""
+    topk = 1 it is 1 (A - B = C). The loop over the experts runs compiled where built (sim/_dedup_c.c,
+    bit-identical); compiled=False forces the numpy loop."""
     c = np.asarray(counts_DE, dtype=np.float64)
     rows = np.asarray(rows_DEV, dtype=np.float64)
     D, E = c.shape
@@ -327,13 +332,27 @@ def distinct_ratio_DV(counts_DE, rows_DEV, topk: int) -> np.ndarray:
     p_ED = np.ascontiguousarray(p_DE[:, used].T)[:, :, None]                               # [E', D, 1]
     pf_EDV = np.ascontiguousarray((p_DE[:, :, None] * f_DEV)[:, used].transpose(1, 0, 2))  # [E', D, V]
     q_ED, pb_EDV = 1.0 - p_ED, p_ED - pf_EDV
+    if compiled and _DISTINCT_PAIRS is not None:
+        distinct, pairs = np.empty((D, V)), np.empty((D, V))
+        _DISTINCT_PAIRS(p_ED[:, :, 0], q_ED[:, :, 0], pf_EDV, pb_EDV, used.size, D, V, k, distinct, pairs)
+    else:
+        distinct, pairs = _polynomials(p_ED, q_ED, pf_EDV, pb_EDV, k)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = np.where(pairs > 0, distinct / pairs, 1.0)
+    return np.clip(ratio, 0.0, 1.0)
+
+
+def _polynomials(p_ED, q_ED, pf_EDV, pb_EDV, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """(A[k] - B[k], C[k]), float64 [D, V] each: distinct_ratio_DV's polynomials multiplied out, one
+    expert's factor at a time (p_ED, q_ED: [E', D, 1]; pf_EDV, pb_EDV: [E', D, V])."""
+    D, V = pf_EDV.shape[1:]
     A = np.zeros((k + 1, D, 1))
     A[0] = 1.0
     B = np.zeros((k + 1, D, V))
     B[0] = 1.0
     C = np.zeros((k + 1, D, V))
     tmp, tmp_a = np.empty((k, D, V)), np.empty((k, D, 1))
-    for i in range(used.size):  # multiply every polynomial by expert i's factor (old values into tmp first)
+    for i in range(p_ED.shape[0]):  # multiply every polynomial by expert i's factor (old values into tmp first)
         p, q = p_ED[i], q_ED[i]
         np.multiply(C[:-1], p, out=tmp)
         tmp += A[:-1] * pf_EDV[i]
@@ -345,10 +364,7 @@ def distinct_ratio_DV(counts_DE, rows_DEV, topk: int) -> np.ndarray:
         np.multiply(A[:-1], p, out=tmp_a)
         A *= q
         A[1:] += tmp_a
-    distinct, pairs = A[k] - B[k], C[k]
-    with np.errstate(divide="ignore", invalid="ignore"):
-        ratio = np.where(pairs > 0, distinct / pairs, 1.0)
-    return np.clip(ratio, 0.0, 1.0)
+    return A[k] - B[k], C[k]
 
 
 def route_rows_DEV(plan, ranks_per_node: int) -> np.ndarray:
