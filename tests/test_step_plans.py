@@ -19,10 +19,11 @@ def _counts(rng, D, E, hot):
 
 
 @pytest.mark.parametrize("policy", ["ultraep", "lp", "fsep"])
-@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("seed", range(12))
 def test_grow_keeps_resident_slots_and_routes_optimally(policy, seed):
     rng = np.random.default_rng(seed)
-    D, E = [(2, 8), (4, 8), (4, 16)][seed % 3]
+    # the last three: E not a multiple of D (an owner layout pads some ranks' owner slots with -1)
+    D, E = [(2, 8), (4, 8), (4, 16), (3, 5), (3, 8), (7, 10)][seed % 6]
     planner = make_planner(policy, PlannerConfig(D, E, 2 if D % 2 == 0 else 1, 2))
     first = _counts(rng, D, E, hot=0)
     later = _counts(rng, D, E, hot=int(rng.integers(1, E)))
@@ -51,6 +52,29 @@ def test_grow_keeps_resident_slots_and_routes_optimally(policy, seed):
     added = int(grown.is_moved_R.sum() - resident.is_moved_R.sum())
     assert grow(resident, fresh, on, later, remaining=1, cost_tokens=saved / added + 1) is None
     assert grow(resident, fresh, on, later, remaining=10, cost_tokens=saved / added * 10) is not None
+
+
+@pytest.mark.parametrize("policy", ["ultraep", "lp", "eplb"])
+def test_owner_padding_is_no_free_slot(policy):
+    """E = 5 on D = 3: rank 2 owns one expert, its second owner slot is padding. A replica added
+    there would break the stock owner layout: it goes to the redundant slot after it."""
+    planner = make_planner(policy, PlannerConfig(3, 5, 1, 1))
+    resident = planner.plan(np.array([[10, 10, 10, 10, 20]] * 3, dtype=np.int64))[0].placement
+    assert resident.slot_expert_DS[2, 1] == -1 and resident.owner_slots == 2
+    hot = np.array([[90, 0, 0, 0, 0]] * 3, dtype=np.int64)  # all of it to expert 0, owned by rank 0
+    fresh = planner.plan(hot)[0]
+    grown = added_to(resident, fresh.placement)
+    assert grown is not None and grown.slot_expert_DS[2, 1] == -1  # the padding stays
+    added = np.argwhere((resident.slot_expert_DS < 0) & (grown.slot_expert_DS >= 0))
+    assert len(added) and all(s >= resident.owner_slots for _, s in added)
+    on = route_on(resident, hot, policy)
+    plan = grow(resident, fresh, on, hot, remaining=4, cost_tokens=0.0)
+    t_lp, _ = lp_min_max(hot.sum(axis=0), grown)
+    assert plan is not None and plan.load_D.max() == int(np.ceil(t_lp - 1e-9)) < on.load_D.max()
+    # with every redundant slot taken, the padding is no room for another replica
+    full = resident.slot_expert_DS.copy()
+    full[:, 2] = [4, 0, 0]
+    assert not type(resident)(full, 5, 1, resident.layout, 2).has_free_slot
 
 
 def test_added_to_refuses_other_layouts_and_no_news():

@@ -241,3 +241,23 @@ def test_stock_plans_equal_the_validated_stock_plan(D, E, S, tol):
         assert plan.digest() == ref.digest()
         assert rank_loads_and_foreign(plan, D, E)[1].sum() == 0 and plan.weight_moves == 0  # checks exports == 0
         plan.validate()
+
+
+def test_counts_beyond_the_numpy_cascades_key_plan_as_the_loop(monkeypatch):
+    """cascade_np packs a rank's room below bit 41 of a sort key: with more tokens than that in a
+    layer the planner runs the loop instead (the numpy cascade reordered the chain there)."""
+    from megatron_rails.core.planners import ultraep
+
+    counts = np.zeros((4, 4), dtype=np.int64)
+    counts[0] = np.array([6, 0, 4, 7]) * 2**40
+    cfg = PlannerConfig(4, 4, 2, 1)
+    loop = make_planner("ultraep", cfg)
+    loop._kernel = None  # the Python loop (D < _VECTORIZE_FROM)
+    want = loop.plan(counts)[0]
+    monkeypatch.setattr(ultraep, "_VECTORIZE_FROM", 1)  # numpy from here on, where the key allows
+    for scale in (1, 2**-12):
+        c = (counts * scale).astype(np.int64)
+        vec = make_planner("ultraep", cfg)
+        vec._kernel = None
+        ref = loop.plan(c)[0] if scale != 1 else want
+        assert vec.plan(c)[0].digest() == ref.digest(), scale

@@ -306,8 +306,9 @@ class Placement:
 
     @cached_property
     def has_free_slot(self) -> bool:
-        """Whether any rank has an empty slot (one a replica could be added to)."""
-        return bool((self.slot_expert_DS < 0).any())
+        """Whether any rank has an empty slot a replica could be added to (in an owner layout, past the
+        owner slots: where E is not a multiple of D their padding is no room)."""
+        return bool((self.slot_expert_DS[:, self.owner_slots:] < 0).any())
 
     @property
     def num_replicas(self) -> int:

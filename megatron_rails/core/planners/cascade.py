@@ -193,11 +193,17 @@ def cascade(T: int, base: list, hot: list, hot_e: list, owned_desc, ranks_per_no
     return got_e, got_a
 
 
+# cascade_np packs a rank's room or slack below bit 41 of its sort key (the node's turn above it): with
+# more tokens than this in a layer it would reorder the chain, so the plain loop runs instead
+CASCADE_NP_MAX_TOKENS = 1 << 40
+
+
 def cascade_np(T: int, base_D: np.ndarray, hot_D: np.ndarray, hot_e_D: np.ndarray, owned_desc,
                ranks_per_node: int):
     """`cascade` vectorized (int64 arrays [D] in, int64 arrays (expert_D, tokens_D) out): the same
     chain order and the same exports, in a fixed number of numpy calls plus a Python step per giver
     that spreads its carry over several experts. Faster than the plain loop from a few hundred ranks.
+    Every load must stay below CASCADE_NP_MAX_TOKENS (the caller checks).
 
     The walk reduces to cumulative sums: giver i's stream starts at the last taker cut at or below
     the excess of the givers before it (Xprev_i); the difference is the tail (gap) it absorbs.

@@ -72,7 +72,9 @@ def added_to(resident: Placement, fresh: Placement) -> Placement | None:
     added = 0
     for d in range(se_DS.shape[0]):
         have = set(se_DS[d][se_DS[d] >= 0].tolist())
-        free = np.flatnonzero(se_DS[d] < 0).tolist()
+        # an owner layout's first owner_slots slots are the stock owners' (padded with -1 where E is
+        # not a multiple of D): never free for a replica
+        free = (resident.owner_slots + np.flatnonzero(se_DS[d, resident.owner_slots:] < 0)).tolist()
         for e in fresh.slot_expert_DS[d].tolist():
             if e >= 0 and e not in have and free:
                 se_DS[d, free.pop(0)] = e

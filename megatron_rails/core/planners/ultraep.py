@@ -23,7 +23,7 @@ import numpy as np
 from ..compiled import compiled
 from ..plan import OWNER, Placement, Plan, _owner_template, check_counts
 from .base import PlannerBase
-from .cascade import OwnerBlocks, cascade, cascade_np, chain_greedy, search_threshold
+from .cascade import CASCADE_NP_MAX_TOKENS, OwnerBlocks, cascade, cascade_np, chain_greedy, search_threshold
 
 # ranks from which numpy's fixed call overhead beats the plain loop. Plan p50, loop time / numpy time
 # (C kernel off, one pinned core, zipf 1.2, E 8-256): 0.4 at D=8, 0.7-0.85 at D=16-128, 1.3 at D=256,
@@ -105,7 +105,7 @@ class UltraEPPlanner(PlannerBase):
             # visit nodes in turn only where the order cannot break the cascade (one expert per
             # rank); otherwise decreasing room and slack over all ranks keep its gaps small
             G = cfg.ranks_per_node if blocks.single else D
-            if D >= _VECTORIZE_FROM:
+            if D >= _VECTORIZE_FROM and total < CASCADE_NP_MAX_TOKENS:
                 got = cascade_np(lo, base_D, hot_D, hot_e_D, owned_desc, G)
             else:
                 got = cascade(lo, base, hot_D.tolist(), hot_e_D.tolist(), owned_desc, G)
