@@ -6,6 +6,7 @@ otherwise); a failure on any rank fails the call.
 """
 from __future__ import annotations
 
+import multiprocessing as mp
 import os
 import pickle
 import sys
@@ -16,7 +17,6 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import multiprocessing as mp
 
 import rank_boot
 from megatron_rails.runtime.comm.base import leave
@@ -56,7 +56,7 @@ def _entry(rank, errq, world, store, fn, args, megatron=True, ep=None, parallel=
                                          **parallel)
         fn(rank, world, *args)
     except BaseException:
-        errq.put(f"rank {rank}:\n{traceback.format_exc()}")
+        errq.put((rank, traceback.format_exc()))
         os._exit(1)  # do not wait in collectives that will never complete
     # no interpreter finalization: a gloo thread finishing a collective then aborts the process
     leave(0)
@@ -85,11 +85,12 @@ def spawn(fn, world: int, *args, megatron: bool = True, ep: int | None = None, p
             p.start()
         codes = _join(procs)
     if any(codes):
-        msgs = []
+        told = {}  # rank -> its traceback
         while not errq.empty():
-            msgs.append(errq.get())
-        told = {int(m.split(":", 1)[0].split()[1]) for m in msgs}
-        msgs += [f"rank {r}: exit code {c} and no traceback" for r, c in enumerate(codes) if c and r not in told]
+            rank, text = errq.get()
+            told[rank] = text
+        msgs = [f"rank {r}:\n{told[r]}" if r in told else f"rank {r}: exit code {c} and no traceback"
+                for r, c in enumerate(codes) if c or r in told]
         raise AssertionError("\n".join(msgs))
 
 

@@ -21,6 +21,6 @@ def run(rank: int, env: dict, path: list, payload: bytes, errq) -> None:
     except BaseException:
         import traceback
 
-        errq.put(f"rank {rank}:\n{traceback.format_exc()}")
+        errq.put((rank, traceback.format_exc()))
         raise
     entry(rank, errq, *args)
