@@ -768,3 +768,56 @@ def test_megatron_args_paste_as_one_command(capsys, monkeypatch):
     assert rc == 0 and len(lines) > 5 and max(map(len, lines)) <= 80
     assert all(ln.endswith(" \\") for ln in lines[:-1]) and not lines[-1].endswith("\\")
     assert shlex.split(out.replace(" \\\n", " ")) == want
+
+
+@pytest.mark.parametrize("argv,named,suffix", [
+    (["config", "show", MINI, "topology={f}"], "topology={f}", ".yaml"),
+    (["simulate", "run", "{f}"], "{f}", ".yaml"),
+    (["plan", "--policy", "ultraep", "--counts", "{f}"], "--counts {f}", ".json"),
+    (["simulate", "run", MINI, "--steps", "1", "--skew", "file:{f}"], "--skew {f}", ".json"),
+], ids=["override", "positional", "counts", "skew-file"])
+def test_an_unreadable_file_is_named_with_its_flag(argv, named, suffix, tmp, capsys, monkeypatch):
+    """A file the user may not read (EACCES: what a mode-000 file gives a user other than root, who
+    runs CI, so the open is made to fail as it would): its flag and name and the reason, in words."""
+    import builtins
+    import errno
+    import io
+
+    f = tmp / f"unreadable{suffix}"
+    f.write_text("not read\n")
+    real_open = io.open
+
+    def refusing_open(file, *args, **kwargs):
+        if isinstance(file, (str, os.PathLike)) and os.fspath(file) == str(f):
+            raise PermissionError(errno.EACCES, "Permission denied", os.fspath(file))
+        return real_open(file, *args, **kwargs)
+
+    monkeypatch.setattr(io, "open", refusing_open)
+    monkeypatch.setattr(builtins, "open", refusing_open)
+    rc, out, err = run_cli([a.replace("{f}", str(f)) for a in argv], capsys)
+    lines = err.strip().splitlines()
+    assert rc == 2 and len(lines) == 1 and "Errno" not in err, err
+    assert lines[0].endswith(f"error: {named.replace('{f}', str(f))}: Permission denied"), err
+
+
+@pytest.mark.parametrize("what", ["planners", "rails"])
+def test_bench_checks_its_default_figure_and_running_copy_before_the_work(what, tmp_path, capsys):
+    """The figure beside --out (OUT.png) and the copy of the results so far (OUT.partial) are checked
+    up front, as a given --plot is: a directory there fails in one line before any case runs."""
+    out = tmp_path / "r.json"
+    (tmp_path / "r.png").mkdir()
+    rc, _, err = run_cli(["bench", what, "--quick", "--out", str(out)], capsys)
+    assert rc == 2 and len(err.strip().splitlines()) == 1 and "r.png' is a directory" in err, err
+    (tmp_path / "r.png").rmdir()
+    (tmp_path / "r.json.partial").mkdir()
+    rc, _, err = run_cli(["bench", what, "--quick", "--out", str(out)], capsys)
+    assert rc == 2 and len(err.strip().splitlines()) == 1 and "r.json.partial' is a directory" in err, err
+    assert not out.exists() and not (tmp_path / "r.png").exists()
+
+
+def test_dash_is_standard_output_for_results_and_refused_for_a_figure(tmp_path, capfd, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    rc, out, err = run_cli(["config", "docs", "--out", "-"], capfd)  # written to /dev/stdout: fd 1
+    assert rc == 0 and out.startswith("# Configuration reference") and not (tmp_path / "-").exists(), err
+    rc, _, err = run_cli(["bench", "rails", "--quick", "--out", "r.json", "--plot", "-"], capfd)
+    assert rc == 2 and "--plot -: that is standard output" in err, err

@@ -166,8 +166,10 @@ def _os_checked(name: str, conv):
 
 def out_file(name: str):
     """argparse type: a path a result can be written to (its directory exists, it is not a directory,
-    and a file can be opened there for writing), checked before the work rather than after it."""
-    return _os_checked(name, _out_file(name))
+    and a file can be opened there for writing), checked before the work rather than after it; "-"
+    is standard output (/dev/stdout), as for most tools."""
+    check = _os_checked(name, _out_file(name))
+    return lambda text: check("/dev/stdout" if text == "-" else text)
 
 
 def _out_file(name: str):
@@ -234,6 +236,8 @@ def plot_file(name: str):
             return check(text)  # its own error: a directory, no name
         # /dev/stdout is a regular file when the stream is redirected to one: the names of a
         # process's streams are refused by name too (/dev/shm and the like stay usable)
+        if text == "-":
+            raise argparse.ArgumentTypeError(f"{name} -: that is standard output; a figure is written to a file")
         special = STREAM_NAMES.match(os.path.abspath(text))
         if special or (Path(text).exists() and not Path(text).is_file()):
             raise argparse.ArgumentTypeError(f"{name} {text!r}: not a regular file (a device or a pipe); a "

@@ -209,6 +209,19 @@ def _bench_args(args) -> None:
         if os.path.abspath(png) == os.path.abspath(args.out):
             raise InputError(f"--out {args.out}: the figure would overwrite the results; give --out a .json "
                              "name, or --plot another file")
+        if args.plot is None:  # the default figure: checked before the work, as a given --plot is
+            try:
+                args.plot = plot_file("--plot")(png)
+            except argparse.ArgumentTypeError as err:
+                raise InputError(f"{err} (the figure's default, beside --out; give --plot elsewhere)") from None
+    if args.what in ("planners", "rails"):
+        from ..core.outfile import writes_in_place
+
+        if not writes_in_place(args.out):  # the results so far are kept beside --out while it runs
+            try:
+                out_file(f"--out {args.out}: the copy of the results so far,")(f"{args.out}.partial")
+            except argparse.ArgumentTypeError as err:
+                raise InputError(str(err)) from None
     _bench_defaults(args)
 
 
@@ -485,6 +498,8 @@ def main(argv=None) -> int:
         report(prog, InputError(f"{named}{err.filename}: {err.strerror}"), args)
         return 1
     except USER_ERRORS as err:
+        if isinstance(err, OSError) and err.filename and err.strerror:  # "FILE: reason", and which flag named it
+            err = InputError(f"{_named_by(args, typed, err.filename) or ''}{err.filename}: {err.strerror}")
         report(prog, err, args)
         return 2
     except MemoryError as err:  # sizes within every flag's bounds can still outgrow this machine together

@@ -13,6 +13,12 @@ expert-parallel group are `expert_tensor_parallel_size` ranks apart.
 from __future__ import annotations
 
 import dataclasses
+import re
+
+# Megatron-LM's --split: train,valid,test weights (megatron.core.datasets.blended_megatron_dataset_config.
+# parse_and_normalize_split reads the numbers in it, at most 3, pads with 0 and normalizes by their sum)
+_NUMBER = r"\s*(?:\d+(?:\.\d*)?|\.\d+)\s*"
+SPLIT = re.compile(rf"{_NUMBER}(?:[,/]{_NUMBER}){{0,2}}")
 
 
 def ep_ranks_per_node(gpus_per_node: int, ep: int, etp: int) -> int:
@@ -28,8 +34,9 @@ def check_run(cfg, where: str, origin: dict):
 
     errors = []
 
-    def err(key, msg):
-        src = origin.get(key)
+    def err(key, msg, *also):
+        """also: other keys of the rule, whose override is named when `key` was not overridden."""
+        src = next((origin[k] for k in (key, *also) if k in origin), None)
         errors.append(f"{where}: {key}: {msg}" + (f" (from override '{src}')" if src else ""))
 
     m, p, t, d, topo, bal = cfg.model, cfg.parallelism, cfg.training, cfg.data, cfg.topology, cfg.balancer
@@ -75,8 +82,14 @@ def check_run(cfg, where: str, origin: dict):
         err("model.num_experts", f"{m.num_experts}: at most {MAX_EXPERTS} experts per layer")
     if m.moe_router_topk > m.num_experts:
         err("model.moe_router_topk", f"{m.moe_router_topk} exceeds num_experts {m.num_experts}")
-    if m.position_embedding_type == "learned_absolute" and (m.max_position_embeddings or m.seq_length) < m.seq_length:
-        err("model.max_position_embeddings", f"{m.max_position_embeddings} is shorter than seq_length {m.seq_length}")
+    # Megatron-LM's validate_args (megatron/training/arguments.py, core_v0.16.1) asserts these at start-up,
+    # whatever the position embedding type
+    if m.max_position_embeddings is not None and m.max_position_embeddings < m.seq_length:
+        err("model.max_position_embeddings", f"{m.max_position_embeddings} is shorter than seq_length {m.seq_length} "
+            "(Megatron-LM asserts max_position_embeddings >= seq_length)", "model.seq_length")
+    if cp > 1 and m.seq_length % (2 * cp):
+        err("model.seq_length", f"{m.seq_length} is not a multiple of 2 x context_parallel_size {cp} = {2 * cp} "
+            "(Megatron-LM asserts it when context_parallel_size > 1)", "parallelism.context_parallel_size")
 
     # training
     dp = world // (tp * pp * cp) if world % (tp * pp * cp) == 0 else 0
@@ -87,6 +100,11 @@ def check_run(cfg, where: str, origin: dict):
     if tp > 1 and not p.sequence_parallel:  # MoELayer raises it at the first training forward
         err("parallelism.sequence_parallel", f"false, but Megatron-Core trains MoE layers under tensor parallelism "
             f"(tensor_model_parallel_size {tp}) only with sequence parallelism: set it true")
+    if t.min_lr > t.lr:
+        err("training.min_lr", f"{t.min_lr:g} exceeds lr {t.lr:g} (Megatron-LM asserts min_lr <= lr)", "training.lr")
+    if t.save is not None and t.save_interval is None:
+        err("training.save", f"{t.save!r} is set, but save_interval is null: Megatron-LM asserts a save_interval "
+            "(iterations between checkpoints) whenever save is given", "training.save_interval")
     if t.bf16 and t.fp16:
         err("training.fp16", "bf16 and fp16 are both true")
     if d.data_path is not None and not d.data_path:  # Megatron would get a bare --data-path
@@ -94,6 +112,10 @@ def check_run(cfg, where: str, origin: dict):
             "(null) with mock_data: true")
     elif d.mock_data == bool(d.data_path):
         err("data", "set exactly one of mock_data: true and data_path")
+    if d.split is not None and (not SPLIT.fullmatch(d.split)
+                                or not any(float(x) for x in re.findall(r"[.0-9]+", d.split))):
+        err("data.split", f"{d.split!r}: expected 1 to 3 non-negative numbers (train,valid,test weights, not all "
+            "zero) separated by commas or slashes, e.g. 969,30,1")
 
     # balancer x expert-parallel group
     G_ep = ep_ranks_per_node(G, ep, etp)

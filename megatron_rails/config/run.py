@@ -48,7 +48,7 @@ class ModelConfig:
     num_query_groups: int | None = _f(None, "GQA key/value groups (emits --group-query-attention); null: MHA",
                                       minimum=1)
     seq_length: int = _f(doc="training sequence length", minimum=1)
-    max_position_embeddings: int | None = _f(None, "null: seq_length", minimum=1)
+    max_position_embeddings: int | None = _f(None, "null: seq_length; at least seq_length", minimum=1)
     num_experts: int = _f(doc="experts per MoE layer (TransformerConfig.num_moe_experts)", minimum=1)
     moe_router_topk: int = _f(2, "experts per token", minimum=1)
     moe_ffn_hidden_size: int | None = _f(None, "expert FFN width; null: ffn_hidden_size", minimum=1)
@@ -103,7 +103,7 @@ class TrainingConfig:
     train_iters: int = _f(doc="optimizer steps", minimum=1)
     optimizer: str = _f("adam", choices=("adam", "sgd"))
     lr: float = _f(1e-4, minimum=0)
-    min_lr: float = _f(0.0, minimum=0)
+    min_lr: float = _f(0.0, "at most lr", minimum=0)
     lr_decay_style: str = _f("cosine", choices=("constant", "linear", "cosine", "inverse-square-root", "WSD"))
     lr_warmup_iters: int = _f(0, minimum=0)
     weight_decay: float = _f(0.1, minimum=0)
@@ -119,9 +119,15 @@ class TrainingConfig:
     log_interval: int = _f(1, minimum=1)
     eval_interval: int | None = _f(None, minimum=1)
     eval_iters: int | None = _f(None, minimum=0)
-    save_interval: int | None = _f(None, minimum=1)
+    save_interval: int | None = _f(None, "required with save", minimum=1)
     save: str | None = _f(None, "checkpoint directory to write")
     load: str | None = _f(None, "checkpoint directory to resume from")
+
+
+# the choices of Megatron-LM's --tokenizer-type (megatron/training/arguments.py, core_v0.16.1)
+TOKENIZER_TYPES = ("BertWordPieceLowerCase", "BertWordPieceCase", "GPT2BPETokenizer", "SentencePieceTokenizer",
+                   "GPTSentencePieceTokenizer", "HuggingFaceTokenizer", "Llama2Tokenizer", "TikTokenizer",
+                   "MultimodalTokenizer", "NullTokenizer", "NullMultimodalTokenizer", "SFTTokenizer")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -130,8 +136,8 @@ class DataConfig:
 
     mock_data: bool = _f(False, "synthetic data (no files)")
     data_path: list[str] | None = _f(None, "Megatron --data-path entries (weights and prefixes)")
-    split: str | None = _f(None, "train,valid,test split, e.g. 969,30,1")
-    tokenizer_type: str | None = _f(None, "e.g. NullTokenizer, Llama2Tokenizer, HuggingFaceTokenizer")
+    split: str | None = _f(None, "train,valid,test weights: 1 to 3 numbers, e.g. 969,30,1")
+    tokenizer_type: str | None = _f(None, "tokenizer class", choices=TOKENIZER_TYPES)
     tokenizer_model: str | None = _f(None, "tokenizer file or name")
     vocab_size: int | None = _f(None, "NullTokenizer's vocabulary (also the CPU demo's)", minimum=1)
 
@@ -175,6 +181,8 @@ class RunConfig:
             section = getattr(self, name)
             for f in dataclasses.fields(section):
                 v = getattr(section, f.name)
+                if f.name == "max_position_embeddings" and v is None:
+                    v = self.model.seq_length  # null means seq_length; Megatron-LM requires the flag
                 if not f.metadata["megatron"] or v is None or v is False:
                     continue
                 flag = "--distributed-backend" if f.name == "backend" else "--" + f.name.replace("_", "-")
