@@ -2,6 +2,7 @@
 (COLUMNS=80), their headers are distinct and non-empty, footnotes wrap; `--wide` shows every column."""
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -53,7 +54,8 @@ def test_simulate_run_fits_80_columns():
 
 
 @pytest.mark.parametrize("sizes", [["training.global_batch_size=65536"],
-                                   ["training.global_batch_size=10000000", "model.num_layers=200", "--mfu", "0.001"]])
+                                   ["training.global_batch_size=10000000", "model.num_layers=200", "--mfu", "0.001"],
+                                   ["topology.nic_gbps=1e-300"]])  # the ideal's line too: 4.10e299 ms
 def test_simulate_run_fits_80_columns_at_huge_times(sizes):
     """Iteration times of hours to years print compactly: no cell folds (a policy or comm cut over two
     rows), and the numbers read back as the JSON's within their shown digits."""
@@ -65,10 +67,18 @@ def test_simulate_run_fits_80_columns_at_huge_times(sizes):
     body = [ln.split("│") for ln in p.stdout.splitlines() if "│" in ln and ln.split("│")[0].strip() in ("none",
                                                                                                      "ultraep")]
     assert len(body) == 4 and all(c[1].strip() in ("direct", "rails") for c in body), p.stdout
-    want = {(r["policy"], r["comm"]): r["iteration_ms"] for r in json.loads(run80(*argv, "--json").stdout)["rows"]}
+    res = json.loads(run80(*argv, "--json").stdout)
+    want = {(r["policy"], r["comm"]): r["iteration_ms"] for r in res["rows"]}
     for c in body:
         shown = float(c[2])
         assert abs(shown - want[(c[0].strip(), c[1].strip())]) <= 0.006 * shown, (c, want)
+    # the ideal's note below the table: the same compact numbers (a long one would only fold there)
+    note = " ".join(p.stdout.split("force-balanced ideal")[1].split("iter ms =")[0].split())
+    ideal = {r["comm"]: r["iteration_ms"] for r in res["force_balanced"]}
+    shown = dict(re.findall(r"(direct|rails) (\S+) ms", note))
+    assert set(shown) == set(ideal), note
+    for comm, text in shown.items():
+        assert len(text) <= 8 and abs(float(text) - ideal[comm]) <= 0.006 * float(text), (note, ideal)
 
 
 def test_simulate_run_wide_and_topology_override():

@@ -24,9 +24,9 @@ def print_table(result: dict, wide: bool = False) -> None:
     else:
         cols = ["policy", "comm", "iter ms", "speedup", "experts\nms", "a2a ms", "weights\n+ plan\nms", "max/mean"]
     t = table(title, cols, left=("policy", "comm"))
+    ms = (lambda v: f"{v:.1f}") if wide else _ms
     for r in result["rows"]:
         b = r["breakdown"]
-        ms = (lambda v: f"{v:.1f}") if wide else _ms
         head = [r["policy"], r["comm"], ms(r["iteration_ms"]), f"{r['speedup']:.3f}x"]
         if wide:
             t.add_row(*head, *(f"{b[c]:.1f}" for c in COMPONENTS), f"{100 * r['of_force_balanced']:.1f}%",
@@ -36,7 +36,7 @@ def print_table(result: dict, wide: bool = False) -> None:
                       ms(b["weights_ms"] + b["planner_ms"]), f"{r['max_over_mean']:.3f}")
     con = console(t, wide)
     con.print(t)
-    ideal = ", ".join(f"{r['comm']} {r['iteration_ms']:.1f} ms" for r in result["force_balanced"])
+    ideal = ", ".join(f"{r['comm']} {ms(r['iteration_ms'])} ms" for r in result["force_balanced"])
     o = result["options"]
     note(con, f"force-balanced ideal (router spreads tokens evenly, nothing moves): {ideal}"
               + ("; of ideal: ideal / iteration time with the same comm" if wide else ""))
