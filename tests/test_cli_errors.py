@@ -89,6 +89,11 @@ CASES = [
     ("simulate run trace directory", ["simulate", "run", MINI, "--trace", "{tmp}"], "directory"),
     ("simulate run plot directory", ["simulate", "run", MINI, "--plot", "{tmp}"], "--plot"),
     ("simulate a2a nodes 0", ["simulate", "a2a", "--nodes", "0"], "--nodes"),
+    # options that would change nothing
+    ("simulate a2a dedup on one node", ["simulate", "a2a", "--nodes", "1", "--dedup", "on"], "--dedup on"),
+    ("simulate run skew file seed", ["simulate", "run", MINI, "--skew", "file:{tmp}/c.npy", "--seed", "2",
+                                     "parallelism.expert_model_parallel_size=4", "model.num_experts=8"], "--seed"),
+    ("soak ranks without steps", ["soak", "--planner-calls", "5", "--steps", "0", "--ranks", "2"], "--ranks"),
     ("simulate a2a nodes huge", ["simulate", "a2a", "--nodes", "100", "--topology", "nvl72"], "--nodes"),
     ("simulate a2a tokens -1", ["simulate", "a2a", "--nodes", "1", "--tokens-per-rank", "-1"], "--tokens-per-rank"),
     ("simulate a2a empty topology", ["simulate", "a2a", "--nodes", "1", "--topology", "{tmp}/empty.yaml"], "empty"),
@@ -591,6 +596,15 @@ def test_full_disk_and_closed_pipe_are_one_line(tmp):
     finally:
         os.close(w)
     assert p.returncode == 1 and p.stderr == "", p.stderr
+    # argparse's own output (help, version) too, buffered or not: argparse drops a failed write
+    for argv in (["--help"], ["--version"], ["simulate", "run", "--help"]):
+        for unbuffered in ("", "1"):
+            env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+            env |= {"PYTHONUNBUFFERED": unbuffered} if unbuffered else {}
+            with open("/dev/full", "w") as full:
+                p = subprocess.run(cli + argv, stdout=full, stderr=subprocess.PIPE, text=True, timeout=120, env=env)
+            assert p.returncode == 1 and p.stderr.strip().endswith("error: No space left on device"), (argv, p.stderr)
+            assert len(p.stderr.strip().splitlines()) == 1 and "Traceback" not in p.stderr, p.stderr
 
 
 # -- the CLI audit of 2026-11-27: focused cases ------------------------------------------------------------------

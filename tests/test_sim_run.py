@@ -203,6 +203,18 @@ def test_trace_files_and_mismatch(capsys, tmp_path):
     assert cli.main(["simulate", "run", X7, "--trace", str(p), "--steps", "1", "--quiet"]) == 2
     err = capsys.readouterr().err
     assert "D=4" in err and "expert-parallel size 8" in err and "expert_model_parallel_size=4" in err
+    # the overrides it names make the config take the trace, nodes included where the world must grow
+    # (the mini config: EP 4 on 4 ranks; a trace of 8 ranks needs 8)
+    mini = str(ROOT / "configs" / "mini" / "mini-mixtral.yaml")
+    p8 = save_trace(tmp_path / "t8.npz", rng.integers(0, 50, (2, 2, 8, 8)), {"topk": 2, "policy": "none"})
+    for config, trace in ((X7, p), (mini, p8)):
+        assert cli.main(["simulate", "run", config, "--trace", str(trace), "--steps", "1", "--quiet"]) == 2
+        hint = capsys.readouterr().err.split("simulate a config with ")[1].split(" (KEY=VALUE")[0]
+        overrides = hint.replace(" and ", ", ").split(", ")
+        assert ("parallelism.nodes=4" in overrides) == (config == mini), overrides
+        assert cli.main(["simulate", "run", config, "--trace", str(trace), "--steps", "1", "--quiet", "--json",
+                         *overrides]) == 0, overrides
+        capsys.readouterr()
 
 
 # -- the commands of the docs ---------------------------------------------------------------------------------

@@ -4,10 +4,12 @@ the allowed range. Bad input never reaches the code behind a command as a value 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import math
 import os
 import re
+import sys
 from pathlib import Path
 
 from ..core.errors import InputError
@@ -69,6 +71,27 @@ class CliParser(argparse.ArgumentParser):
         kwargs.setdefault("formatter_class", HelpFormatter)
         super().__init__(*args, **kwargs)
         self.register("action", "parsers", _Subcommands)
+
+    def _print_message(self, message, file=None):
+        # argparse drops a failed write (--help > /dev/full would exit 0 having written nothing): say so
+        # and exit 1 as every command does; a reader that left (--help | head) ends it quietly
+        if not message:
+            return
+        file = file or sys.stderr
+        if file is sys.stderr:  # an error message: its exit status stands whether or not it got out
+            with contextlib.suppress(OSError):
+                file.write(message)
+            return
+        try:
+            file.write(message)
+            file.flush()
+        except OSError as err:
+            # what is still buffered goes nowhere, so that the interpreter's flush at exit does not fail again
+            os.dup2(os.open(os.devnull, os.O_WRONLY), file.fileno())
+            if not isinstance(err, BrokenPipeError):
+                with contextlib.suppress(OSError):
+                    sys.stderr.write(f"{self.prog}: error: {err.strerror or err}\n")
+            raise SystemExit(1) from None
 
     def error(self, message):
         # the usage block of a long command pushes the message off screen; --help has the usage.

@@ -364,6 +364,8 @@ def _run_soak(args) -> int:
 
     if args.planner_calls == 0 and args.steps == 0:  # "ok" after checking nothing would mislead
         raise InputError("--planner-calls 0 and --steps 0 skip both parts: nothing to soak")
+    if args.steps == 0 and "ranks" not in args.unset:
+        raise InputError(f"--ranks {args.ranks} sets the dispatcher soak's ranks, which --steps 0 skips: drop --ranks")
     return run_soak(args.planner_calls, args.steps, args.ranks, args.out, args.json)
 
 
@@ -373,7 +375,7 @@ def _add_soak(sub) -> None:
                    help="planner calls per policy on a drifting workload (0: skip)")
     k.add_argument("--steps", type=int_range("--steps", 0, 10**6), default=200,
                    help="dispatcher steps compared with stock (0: skip)")
-    k.add_argument("--ranks", type=divisor_of("--ranks", DEMO_EXPERTS, "the soak layer's experts"), default=4,
+    k.add_argument("--ranks", type=divisor_of("--ranks", DEMO_EXPERTS, "the soak layer's experts"), default=Default(4),
                    help="gloo ranks of the dispatcher soak (= expert-parallel size, over the soak layer's 8 "
                         "experts)")
     k.add_argument("--out", type=out_file("--out"), help="write the result JSON here (default: not written)")

@@ -101,6 +101,9 @@ def run_a2a(args) -> tuple[dict, list[dict]]:
     shape = dict(tokens_per_rank=args.tokens_per_rank, hidden=args.hidden, dtype_bytes=args.dtype_bytes,
                  experts=args.experts, topk=args.topk, seed=args.seed, slots=args.slots)
     mode = getattr(args, "dedup", "off")
+    if mode != "off" and topo.nodes < 2:
+        raise InputError(f"--dedup {mode} would change nothing with --nodes {topo.nodes}: dedup skips repeated "
+                         "rows to another node, and one node has none; give --nodes 2 or more")
     if mode != "off":
         return _run_dedup(args, topo, shape, mode)
     tr = make_traffic(args.traffic, D, topo.gpus_per_node, **shape)

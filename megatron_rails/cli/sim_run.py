@@ -74,6 +74,12 @@ def run(args) -> dict:
         raise InputError("--trace-tokens says how to replay a --trace: give --trace FILE, or drop --trace-tokens")
     if args.trace is not None and "seed" not in args.unset:
         raise InputError("--seed draws the --skew workload; a --trace replays its own counts: drop --seed")
+    if args.trace is None and "seed" not in args.unset:
+        from ..core.workloads import parse_skew
+
+        if parse_skew(args.skew).kind == "file":  # a malformed --skew is left to the workload's own message
+            raise InputError(f"--skew {args.skew} fixes the routing, so --seed would change nothing (only a "
+                             "generated --skew workload reads it): drop --seed")
     policies, comms = check_names(args.policies, args.comm)  # fail before loading anything
     if args.slots is not None and set(policies) == {"none"}:
         raise InputError(f"--slots {args.slots} would change nothing with --policies none (it keeps the stock "

@@ -15,6 +15,7 @@ launch and framework overheads; they would add the same time to every policy and
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -49,6 +50,18 @@ def rescale_rows(counts_DE: np.ndarray, row_sum: int) -> np.ndarray:
     return out
 
 
+def _trace_overrides(s: Setup, D: int, E: int) -> str:
+    """The overrides that make the config `s` take a trace of D ranks and E experts: the sizes, and
+    enough nodes for the world size to hold the new expert-parallel groups (config/checks.py's rule)."""
+    say = [f"parallelism.expert_model_parallel_size={D}", f"model.num_experts={E}"]
+    G, nodes = s.topology.gpus_per_node, s.topology.nodes
+    need = math.lcm(s.etp * D * s.pp, s.tp * s.pp * s.cp)
+    if (nodes * G) % need:
+        nodes = math.lcm(need, G) // G * -(-nodes * G // math.lcm(need, G))  # the next world size that holds them
+        say += [f"parallelism.nodes={nodes}", f"parallelism.world_size={nodes * G}"]
+    return ", ".join(say[:-1]) + " and " + say[-1]
+
+
 @dataclass
 class Workload:
     """counts_DE per (step, layer): synthetic (skew) or a trace [I', Y', D, E] replayed cyclically
@@ -69,9 +82,7 @@ class Workload:
             if t.shape[2] != s.ep or t.shape[3] != s.experts:
                 raise SimError(f"trace {self.trace_path}: counts are [D={t.shape[2]}, E={t.shape[3]}], the config "
                                f"has expert-parallel size {s.ep} and {s.experts} experts; simulate a config with "
-                               f"parallelism.expert_model_parallel_size={t.shape[2]} and "
-                               f"model.num_experts={t.shape[3]} "
-                               f"(KEY=VALUE overrides after the config)")
+                               f"{_trace_overrides(s, t.shape[2], t.shape[3])} (KEY=VALUE overrides after the config)")
             if not t.any():  # every figure would compare idle ranks
                 raise SimError(f"trace {self.trace_path}: every count is 0; there are no tokens to simulate")
             return
