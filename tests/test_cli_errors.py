@@ -425,7 +425,7 @@ def test_config_validate_names_each_problem(tmp, capsys):
     files = [tmp / "empty.yaml", tmp, tmp / "typo.yaml", tmp / "badtopo.yaml"]
     rc, _, err = run_cli(["config", "validate", *map(str, files)], capsys)
     assert rc == 1 and "Traceback" not in err
-    errors = [ln for ln in err.splitlines() if ln.startswith("error: ")]
+    errors = [ln for ln in err.splitlines() if ln.startswith("megatron-rails config validate: error: ")]
     assert "the file is empty" in errors[0] and "is a directory" in errors[1]
     assert "unknown key 'polcy'; did you mean 'policy'?" in errors[2]
     assert len(errors) == 6 and "4 of 4 file(s) invalid" in err
@@ -615,8 +615,8 @@ def test_config_validate_reports_every_file_whatever_its_keys(tmp, capsys):
     files = [tmp / "intkey.yaml", tmp / "laughs.yaml", tmp / "run_bal_intkey.yaml", POLICY]
     rc, out, err = run_cli(["config", "validate", *map(str, files)], capsys)
     assert rc == 1 and "Traceback" not in err
-    errors = [ln for ln in err.splitlines() if ln.startswith("error: ")]
-    assert [e.split(": ")[1] for e in errors] == [str(f) for f in files[:3]]
+    errors = [ln for ln in err.splitlines() if ln.startswith("megatron-rails config validate: error: ")]
+    assert [e.split(": ")[2] for e in errors] == [str(f) for f in files[:3]]
     assert "key 1 (an integer" in errors[0] and "10000 values" in errors[1] and "balancer: key 9" in errors[2]
     assert out.startswith(f"OK {POLICY}") and "3 of 4 file(s) invalid" in err
 

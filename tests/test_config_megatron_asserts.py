@@ -94,7 +94,7 @@ def test_config_validate_names_the_key(tmp_path, capsys):
     bad.write_text(yaml.safe_dump(data))
     rc, out, err = run_cli(["config", "validate", str(bad)], capsys)
     assert rc == 1 and "Traceback" not in err
-    named = [ln.split(": ")[2] for ln in err.splitlines() if ln.startswith("error: ")]
+    named = [ln.split(": ")[3] for ln in err.splitlines() if ln.startswith("megatron-rails config validate: error: ")]
     assert named == ["model.max_position_embeddings", "training.min_lr", "training.save", "data.split"], err
     data = yaml.safe_load(Path(MINI).read_text())
     data["data"]["tokenizer_type"] = "Foo"

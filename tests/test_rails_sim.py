@@ -299,13 +299,21 @@ def test_traffic_families():
     assert parse_traffic("plan:eplb") == ("plan", "zipf:1.2", "eplb")
 
 
-@pytest.mark.parametrize("text, words", [("zipf", "exponent"), ("zipf:x", "must be a number"), ("plan:", "policy"),
-                                         ("plan:magic", "unknown policy"), ("mixtral:x", "unknown policy"),
-                                         ("gauss", "unknown family"), ("uniform:1", "no parameters"), ("", "expected")])
-def test_bad_traffic_is_a_clear_error(text, words):
+FORMS = "expected uniform | zipf:S"
+
+
+# each error lists what its wrong part accepts: the traffic forms, the policies or the skews
+@pytest.mark.parametrize("text, words, listed", [
+    ("zipf", "exponent", FORMS), ("zipf:x", "S must be a number", None), ("plan:", "policy", FORMS),
+    ("plan:magic", "unknown policy", "policies: none"), ("mixtral:x", "unknown policy", "policies: none"),
+    ("gauss", "unknown family", FORMS), ("uniform:1", "no parameters", FORMS), ("", "expected", FORMS),
+    ("plan:lp:zipf:-1", "S must be in", "SKEW: uniform | zipf:S")])
+def test_bad_traffic_is_a_clear_error(text, words, listed):
     with pytest.raises(TrafficError, match=words) as e:
         parse_traffic(text)
-    assert "uniform | zipf:S" in str(e.value)
+    msg = str(e.value)
+    assert (listed or "") in msg and (FORMS in msg) == (listed == FORMS), msg
+    assert "bad skew" not in msg or not text.startswith("zipf"), msg  # zipf:S is the skew: named once
 
 
 def test_stock_mixtral_beyond_eight_ranks_is_refused():

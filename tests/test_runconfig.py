@@ -254,7 +254,7 @@ def test_cli_validate(tmp_path):
     bad = _mini_with(tmp_path, lambda d: (d["model"].update(num_layer=3), d["training"].update(train_iters="ten")))
     p = cli("config", "validate", str(MINI), str(bad), ok=False)
     assert p.returncode == 1 and f"OK {MINI}" in p.stdout
-    errors = [ln for ln in p.stderr.splitlines() if ln.startswith("error: ")]
+    errors = [ln for ln in p.stderr.splitlines() if ln.startswith("megatron-rails config validate: error: ")]
     assert len(errors) == 2 and all(str(bad) in ln for ln in errors)
     assert "model.num_layer: unknown key" in errors[0] and "training.train_iters: expected integer" in errors[1]
     assert "1 of 2 file(s) invalid" in p.stderr

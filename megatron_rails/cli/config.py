@@ -94,6 +94,7 @@ def cmd_validate(args) -> int:
     from ..core.policy import ConfigError
 
     failed = 0
+    prog = getattr(args, "command_prog", "megatron-rails config validate")
     for path in args.files:
         try:
             obj = _load(path)
@@ -104,7 +105,7 @@ def cmd_validate(args) -> int:
             # a path with a newline in it cannot split a line
             text = escaped("\n".join(getattr(err, "errors", None) or [str(err)]), [path])
             for line in text.splitlines():
-                print(f"error: {line}", file=sys.stderr)
+                print(f"{prog}: error: {line}", file=sys.stderr)
             continue
         print(_after(f"OK {escaped(path, [path])}", f"({_summary(obj)})", "  "))
     if failed:
@@ -122,6 +123,7 @@ def _get(data: dict, dotted: str):
     for part in dotted.split("."):
         if not isinstance(node, dict) or part not in node:
             hint = suggest(part, node, "".join(f"{k}." for k in seen)) if isinstance(node, dict) else \
+                f"; {'.'.join(seen)} is null, not a section" if node is None else \
                 f"; {'.'.join(seen)} is a value, not a section"
             raise ConfigError(f"--get {dotted}: no such key in the resolved config{hint}")
         node = node[part]

@@ -398,7 +398,9 @@ def _add_demo(sub) -> None:
     d.add_argument("--ranks", type=divisor_of("--ranks", DEMO_EXPERTS, "the demo model's experts"),
                    help="CPU ranks (= expert-parallel size, over the model's 8 experts; default: the cores, at "
                         "least 2 and at most 4; every rank on a core of its own where the cores suffice)")
-    d.add_argument("--plot", type=plot_file("--plot"), help=f"PNG of imbalance per step (default: {DEMO_PLOT})")
+    d.add_argument("--plot", type=plot_file("--plot"),
+                   help=f"figure of imbalance per step, its format from the suffix (.png without one; .pdf, "
+                        f".svg, ...) (default: {DEMO_PLOT})")
     d.add_argument("--planners", action="store_true", help="instead: compare every planner on skewed steps "
                    "(planning only: takes none of the training options)")
     d.add_argument("--json", action="store_true", help="print the summary as one JSON object")

@@ -59,8 +59,9 @@ def register_run(subparsers) -> None:
                         "group spans nodes; default: the config's balancer.dedup, true unless it is set)")
     p.add_argument("--json", action="store_true", help="print one JSON object (setup, options, assumptions, rows)")
     p.add_argument("--wide", action="store_true", help="every column of the table (wider than 80 characters)")
-    p.add_argument("--plot", type=plot_file("--plot"), metavar="FILE.png",
-                   help="write a PNG of stacked bars per policy x comm (default: no plot)")
+    p.add_argument("--plot", type=plot_file("--plot"), metavar="FILE",
+                   help="write a figure of stacked bars per policy x comm, its format from the suffix (.png "
+                        "without one; .pdf, .svg, ...) (default: no plot)")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     p.set_defaults(func=cmd_run)
 

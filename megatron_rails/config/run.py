@@ -208,6 +208,12 @@ def _check_path(kind: str, parts: list[str], text: str) -> None:
     top = {"run": RUN_KEYS, "policy": [f.name for f in dataclasses.fields(PolicyConfig)],
            "topology": [f.name for f in dataclasses.fields(Topology)]}[kind]
     if parts[0] not in top:
+        # a run config's section name before a key of this file (topology.gpus_per_node=4 on a
+        # topology, balancer.slots=2 on a policy): its keys are top-level here
+        section = {"topology": "topology", "policy": "balancer"}.get(kind)
+        if len(parts) == 2 and parts[0] == section and parts[1] in top:
+            raise ConfigError(f"override {text!r}: this is a {kind} config, whose keys are top-level: write "
+                              f"{parts[1]}={text.partition('=')[2]}")
         raise ConfigError(f"override {text!r}: unknown key '{parts[0]}'"
                           + suggest(parts[0], top, "", _elsewhere() if kind == "run" else None))
     cls = (SECTIONS.get(parts[0]) or NESTED.get(parts[0])) if kind == "run" else None

@@ -98,21 +98,26 @@ def parse_traffic(text: str) -> tuple[str, str, str]:
     kind, _, rest = text.strip().partition(":")
     kind = kind.lower()
 
-    def bad(why: str) -> TrafficError:
-        return TrafficError(f"bad traffic {text!r}: {why}; expected {TRAFFIC_FORMS}")
+    def bad(why: str, forms: bool = True) -> TrafficError:
+        """forms: list the traffic forms (not where the family is right and only its part is wrong)."""
+        return TrafficError(f"bad traffic {text!r}: {why}" + (f"; expected {TRAFFIC_FORMS}" if forms else ""))
 
     def policy(name: str) -> str:
         if name not in _policies():
-            raise bad(f"unknown policy {name!r} (policies: {', '.join(_policies())})")
+            raise bad(f"unknown policy {name!r} (policies: {', '.join(_policies())})", forms=False)
         return name
 
-    def skew(s: str) -> str:
+    def skew(s: str, whole: bool = False) -> str:
+        """whole: the skew is the whole text (zipf:S): the family is right, only its exponent is not."""
         try:
             sk = parse_skew(s)
         except WorkloadError as err:
-            raise bad(f"{str(err).split(';')[0]} (SKEW: {SKEW_HERE})") from None
+            why = str(err).split(";")[0]
+            if whole:  # "bad skew 'zipf:-1': S must be ..." would repeat the text
+                raise bad(why.split(": ", 1)[-1], forms=False) from None
+            raise bad(f"{why} (SKEW: {SKEW_HERE})", forms=False) from None
         if sk.kind == "file":
-            raise bad(f"file skews are not supported here (SKEW: {SKEW_HERE})")
+            raise bad(f"file skews are not supported here (SKEW: {SKEW_HERE})", forms=False)
         return str(sk)
 
     if kind == "uniform":
@@ -122,7 +127,7 @@ def parse_traffic(text: str) -> tuple[str, str, str]:
     if kind == "zipf":
         if not rest:
             raise bad("zipf needs an exponent, e.g. zipf:1.2")
-        return "zipf", skew(text.strip()), "none"
+        return "zipf", skew(text.strip(), whole=True), "none"
     if kind == "plan":
         name, _, sk = rest.partition(":")
         if not name:
