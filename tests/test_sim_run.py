@@ -290,3 +290,15 @@ def test_single_node_closed_form_matches_the_flow_model(model):
         for r in simulate(traffic, topo, 8192, schemes=("direct", "rails")):
             want = (r.completion_us if model == "fluid" else r.phased_us) / 1e3
             assert fast.ms(traffic, 8192, r.scheme) == pytest.approx(want, rel=1e-12, abs=1e-12)
+
+
+def test_progress_within_a_long_step(monkeypatch):
+    """A step of many layers reports the layers done as it goes (at most every PROGRESS_S), then the step."""
+    from megatron_rails.sim import run as run_mod
+
+    monkeypatch.setattr(run_mod, "PROGRESS_S", 0.0)  # every layer
+    setup = Setup.from_run_config(load_run_config(X7, ["model.num_layers=4"]))
+    calls = []
+    simulate_run(setup, SimOptions(dedup=False), "none", "direct", 2, Workload(setup),
+                 lambda *a: calls.append((a[0], a[1], a[3])))
+    assert calls == [(0, 2, 1), (0, 2, 2), (0, 2, 3), (1, 2, None), (1, 2, 1), (1, 2, 2), (1, 2, 3), (2, 2, None)]

@@ -101,9 +101,11 @@ def run(args) -> dict:
     else:
         wl = Workload(setup, skew=args.skew, seed=args.seed)
 
-    def progress(done, total, elapsed):
+    def progress(done, total, elapsed, layers=None):
         if not args.quiet:
-            print(f"simulate run: step {done}/{total} ({setup.layers} layers x {len(policies)} policies), "
+            where = (f"step {done}/{total}" if layers is None else
+                     f"step {done + 1}/{total}: layer {layers}/{setup.layers}")
+            print(f"simulate run: {where} ({setup.layers} layers x {len(policies)} policies), "
                   f"{elapsed:.1f} s", file=sys.stderr, flush=True)
 
     if not args.quiet:

@@ -160,11 +160,16 @@ def planners_for(setup: Setup, policies, slots_flag: bool = False):
     return out
 
 
+PROGRESS_S = 10.0  # within a step, progress is reported at most this often
+
+
 def simulate_run(setup: Setup, opts: SimOptions, policies, comms, steps: int, workload: Workload,
                  progress=None) -> dict:
     """{"setup", "options", "workload", "assumptions", "rows", "force_balanced"}: one row per requested
     (policy, comm) with iteration_ms (mean over steps), its breakdown, speedup over none/direct,
-    fraction of the force-balanced ideal and balance figures; force_balanced: the ideal per comm."""
+    fraction of the force-balanced ideal and balance figures; force_balanced: the ideal per comm.
+    progress(steps done, steps, seconds so far, layers done in the step or None) after each step, and
+    every PROGRESS_S within a long one."""
     policies, comms = check_names(policies, comms)
     if steps < 1:
         raise SimError(f"--steps must be >= 1, got {steps}")
@@ -183,7 +188,7 @@ def simulate_run(setup: Setup, opts: SimOptions, policies, comms, steps: int, wo
     extra = {k: {"weights_total_ms": 0.0, "weight_bytes": 0.0, "max_over_mean": 0.0, "internode_bytes": 0.0,
                  "internode_bytes_dedup": 0.0, "fanout_bytes": 0.0} for k in cases}
     before = 0.0
-    t_start = time.perf_counter()
+    t_start = t_told = time.perf_counter()
 
     def add(case, stage, step, cost):
         acc[case][step, stage] += [cost[k] for k in keys]
@@ -206,8 +211,12 @@ def simulate_run(setup: Setup, opts: SimOptions, policies, comms, steps: int, wo
                 traffic = plan_traffic(setup, opts, plan)
                 for c in run_comms:
                     add((pol, c), stage, step, layer_cost(setup, opts, plan, comm, c, traffic))
+            if progress and layer + 1 < Y and time.perf_counter() - t_told >= PROGRESS_S:  # a long step
+                t_told = time.perf_counter()
+                progress(step, steps, t_told - t_start, layer + 1)
         if progress:
-            progress(step + 1, steps, time.perf_counter() - t_start)
+            t_told = time.perf_counter()
+            progress(step + 1, steps, t_told - t_start, None)
     head = head_ms(setup, opts)
     m, n = setup.microbatches, steps * Y
     rows = {}
