@@ -277,3 +277,19 @@ def test_cuda_graphs_over_the_dispatcher_are_refused():
     replay: a capture region that holds it (the whole layer, the MoE preprocessing) is refused at
     build time by name; one that does not (attention, the router) is not."""
     spawn(_cuda_graph_worker, 1)
+
+
+def test_layer_spec_needs_a_number_of_experts():
+    """rails_gpt_layer_local_spec builds an MoE layer's spec: without experts Megatron-Core's spec
+    has a dense MLP, which the model would only reject when built."""
+    import numpy as np
+
+    from megatron_rails.core.policy import ConfigError
+    from megatron_rails.megatron.layers import rails_gpt_layer_local_spec
+
+    spec = rails_gpt_layer_local_spec(np.int64(8))
+    assert "Rails" in getattr(spec.submodules.mlp, "module", spec.submodules.mlp).__name__ \
+        if not hasattr(spec.submodules.mlp, "func") else "Rails" in spec.submodules.mlp.func.__name__
+    for bad in (None, 0, -1, "8", 2.5, True):
+        with pytest.raises(ConfigError, match="num_experts must be a positive integer"):
+            rails_gpt_layer_local_spec(bad)

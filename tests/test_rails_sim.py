@@ -478,3 +478,46 @@ def test_doc_quoted_figures():
     assert round(r["rails"]["ratio_to_lb"], 3) == 1.032 and r["rails"]["hops"] == 3
     text = DOC.read_text()
     assert "35462 µs" in text and "8912 µs" in text and "8907 µs" in text and "131.2 vs 127.1" in text
+
+
+def test_topology_takes_numpy_numbers_and_refuses_what_is_no_size():
+    """Sizes computed with numpy are taken as the numbers they are; a fractional node count, a world
+    of no ranks, and a topology given as neither name nor path are errors, not truncated or a crash."""
+    from megatron_rails.core.policy import ConfigError
+    from megatron_rails.core.topology import Topology, load_topology
+
+    t = Topology(gpus_per_node=np.int64(8), rails_per_node=np.int32(4), nic_gbps=np.float32(400.0))
+    assert t == Topology(gpus_per_node=8, rails_per_node=4, nic_gbps=400.0)
+    assert type(t.gpus_per_node) is int and type(t.nic_gbps) is float
+    assert t.with_nodes(np.int64(2)).nodes == 2 and t.for_world(np.int64(16)).nodes == 2
+    for bad, words in ((lambda: t.with_nodes(2.7), "nodes: expected an integer"),
+                       (lambda: t.for_world(0), "world size must be a positive integer"),
+                       (lambda: t.for_world(None), "world size must be a positive integer"),
+                       (lambda: Topology(gpus_per_node=np.True_), "gpus_per_node: expected an integer"),
+                       (lambda: load_topology(None), "expected a preset name or a path"),
+                       (lambda: load_topology(8), "expected a preset name or a path")):
+        with pytest.raises(ConfigError, match=words):
+            bad()
+
+
+def test_rails_entry_points_take_a_preset_name_and_refuse_bad_arguments():
+    from megatron_rails.core.errors import InputError
+    from megatron_rails.core.rails_schedule import rail_imbalance, rails_schedule
+    from megatron_rails.core.topology import load_topology
+    from megatron_rails.sim.rails import simulate
+
+    T = np.random.default_rng(0).integers(0, 50, (16, 16))
+    topo = load_topology("dgx-h100")
+    a, b = rails_schedule(T, "dgx-h100"), rails_schedule(T, topo)
+    assert np.array_equal(a.units_K, b.units_K) and np.array_equal(a.rail_K, b.rail_K)
+    assert rail_imbalance(T, "dgx-h100") == rail_imbalance(T, topo)
+    one = simulate(T, topo, 2, "rails")  # one scheme by name, not its letters
+    assert [r.scheme for r in one] == ["rails"] and one[0].to_dict() == simulate(T, topo, 2)[2].to_dict()
+    for bad, words in ((lambda: rails_schedule(-T, topo), "non-negative integers"),
+                       (lambda: rails_schedule(T[:3], topo), "square"),
+                       (lambda: rails_schedule(T * 0.5, topo), "non-negative integers"),
+                       (lambda: rail_imbalance(np.zeros((0, 0), int), topo), "D >= 1"),
+                       (lambda: simulate(T, topo, -1), "bytes_per_unit"),
+                       (lambda: simulate(T, topo, 2, ["rails", "magic"]), "unknown magic")):
+        with pytest.raises(InputError, match=words):
+            bad()

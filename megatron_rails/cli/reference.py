@@ -15,7 +15,8 @@ HEAD = """# Command line reference
 
 Every `megatron-rails` command's `--help`, as an 80-column terminal shows it. Generated from the parser
 (`python -m megatron_rails.cli.reference --out docs/cli.md`); `tests/test_cli.py` fails when it is stale.
-Bad input exits 2 with one line naming the flag and what is allowed.
+Bad input exits 2 with a line per problem naming the flag (or file and key) and what is allowed;
+`config validate` exits 1 for an invalid file.
 """
 
 

@@ -22,7 +22,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .topology import Topology
+from .errors import InputError
+from .topology import Topology, load_topology
 
 
 @dataclass(frozen=True, eq=False)
@@ -82,7 +83,18 @@ class RailSchedule:
         assert np.all(t.rail_of(self.land_K[m]) == self.rail_K[m]), "landing GPU not on the chunk's rail"
 
 
-def rails_schedule(traffic_DD, topo: Topology) -> RailSchedule:
+def _traffic(traffic_DD) -> np.ndarray:
+    """traffic_DD as an integer array [D, D] of non-negative units; InputError otherwise."""
+    traffic = np.asarray(traffic_DD)
+    if traffic.ndim != 2 or traffic.shape[0] != traffic.shape[1] or not traffic.shape[0]:
+        raise InputError(f"traffic_DD must be square [D, D] with D >= 1, got shape {traffic.shape}")
+    if traffic.dtype.kind not in "iu" or traffic.min() < 0:
+        raise InputError(f"traffic_DD must hold non-negative integers, got {traffic.dtype} values"
+                         + (f" down to {traffic.min()}" if traffic.dtype.kind in "iuf" else ""))
+    return traffic
+
+
+def rails_schedule(traffic_DD, topo: Topology | str) -> RailSchedule:
     """The RailS LPT spraying schedule for `traffic_DD` (int [D, D]) on `topo` (sized to D ranks).
 
     Vectorized over all node pairs at once; the rule is the one in the module docstring, stated per
@@ -94,13 +106,9 @@ def rails_schedule(traffic_DD, topo: Topology) -> RailSchedule:
          (lowest index on ties), taking min(left, room).
     A message's chunks are emitted natural piece first, then its sprayed pieces in spray order.
     """
-    traffic = np.asarray(traffic_DD)
-    if traffic.ndim != 2 or traffic.shape[0] != traffic.shape[1]:
-        raise ValueError(f"traffic_DD must be square [D, D], got shape {traffic.shape}")
-    if traffic.size and (traffic.dtype.kind not in "iu" or traffic.min() < 0):
-        raise ValueError("traffic_DD must hold non-negative integers")
+    traffic = _traffic(traffic_DD)
     D = traffic.shape[0]
-    topo = topo.for_world(D)
+    topo = load_topology(topo).for_world(D)
     G, J, gpr, V = topo.gpus_per_node, topo.rails_per_node, topo.gpus_per_rail, topo.nodes
     traffic = traffic.astype(np.int64)
     s, d = np.nonzero(traffic)  # row-major: messages in (src, dst) order
@@ -119,14 +127,14 @@ def rails_schedule(traffic_DD, topo: Topology) -> RailSchedule:
                                     land[order], units[order])
 
 
-def rail_imbalance(traffic_DD, topo: Topology) -> float:
+def rail_imbalance(traffic_DD, topo: Topology | str) -> float:
     """How unevenly the rail-matched direct all-to-all (every inter-node message whole on its
     destination's rail, as NCCL's PXN routes it) loads the rails: its busiest (node, rail, direction)
     over the even spread, max over nodes and directions of ceil(node's inter-node units / J). 1.0
     when nothing crosses nodes. Spraying can at best bring it to 1, so it bounds what RailS can gain."""
-    traffic = np.asarray(traffic_DD, dtype=np.int64)
+    traffic = _traffic(traffic_DD).astype(np.int64)
     D = traffic.shape[0]
-    topo = topo.for_world(D)
+    topo = load_topology(topo).for_world(D)
     G, J, V = topo.gpus_per_node, topo.rails_per_node, topo.nodes
     if V == 1:
         return 1.0

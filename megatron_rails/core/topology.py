@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,6 +41,14 @@ class Topology:
     description: str = ""
 
     def __post_init__(self):
+        for k, _, _ in INT_RANGES:  # numpy scalars (sizes computed with numpy) as the Python numbers they are
+            v = getattr(self, k)
+            if isinstance(v, np.integer):
+                object.__setattr__(self, k, int(v))
+        for k, _ in NUMBERS:
+            v = getattr(self, k)
+            if isinstance(v, (np.integer, np.floating)):
+                object.__setattr__(self, k, v.item())
         # every problem at once: a topology file is usually written in one go, so fix it in one go
         errors = [e for e in (self._int_error(k, lo, hi) for k, lo, hi in INT_RANGES) if e]
         errors += [e for e in (self._number_error(k, pos) for k, pos in NUMBERS) if e]
@@ -77,11 +86,15 @@ class Topology:
         return self.nodes * self.gpus_per_node
 
     def with_nodes(self, nodes: int) -> "Topology":
-        return dataclasses.replace(self, nodes=int(nodes))
+        return dataclasses.replace(self, nodes=nodes)  # checked there: 2.7 nodes is an error, not 2
 
     def for_world(self, world_size: int) -> "Topology":
         """This topology sized for `world_size` ranks; a clear error if it cannot hold them."""
         G = self.gpus_per_node
+        if isinstance(world_size, (bool, np.bool_)) or not isinstance(world_size, (int, np.integer)) \
+                or world_size < 1:
+            raise ConfigError(f"topology {self.name!r}: world size must be a positive integer, got "
+                              f"{shown(world_size)}")
         if world_size % G:
             raise ConfigError(f"topology {self.name!r}: world size {world_size} is not a multiple of "
                               f"gpus_per_node {G}")
@@ -117,6 +130,8 @@ def load_topology(name_or_path) -> Topology:
     """A preset name (presets/topology/NAME.yaml) or a path to a topology YAML."""
     if isinstance(name_or_path, Topology):
         return name_or_path
+    if not isinstance(name_or_path, (str, os.PathLike)):
+        raise ConfigError(f"topology: expected a preset name or a path to a YAML file, got {shown(name_or_path)}")
     if not str(name_or_path).strip():
         raise ConfigError(f"an empty topology; presets: {', '.join(presets())} (or give a path to a YAML file)")
     p = _presets.meant(PRESET_DIR, name_or_path) or Path(name_or_path)

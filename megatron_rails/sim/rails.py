@@ -49,8 +49,9 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from ..core.errors import InputError
 from ..core.rails_schedule import RailSchedule, rails_schedule
-from ..core.topology import Topology
+from ..core.topology import Topology, load_topology
 
 SCHEMES = ("direct", "ecmp", "rails")
 
@@ -265,6 +266,14 @@ def simulate(traffic_DD, topo: Topology, bytes_per_unit: int = 1, schemes=SCHEME
 
     The schedules are built on the units (token rows), as the real all-to-all schedules rows."""
     traffic = np.asarray(traffic_DD)
-    topo = topo.for_world(traffic.shape[0])
+    if isinstance(schemes, str):  # one scheme by name
+        schemes = (schemes,)
+    unknown = [str(x) for x in schemes if x not in SCHEMES]
+    if unknown or not schemes:
+        raise InputError(f"schemes: unknown {', '.join(unknown) or 'none given'}; choose from {', '.join(SCHEMES)}")
+    if isinstance(bytes_per_unit, (bool, np.bool_)) or not isinstance(bytes_per_unit, (int, np.integer)) \
+            or bytes_per_unit < 1:
+        raise InputError(f"bytes_per_unit must be a positive integer, got {bytes_per_unit!r}")
+    topo = load_topology(topo).for_world(traffic.shape[0] if traffic.ndim else 0)
     lb = lower_bound_us(traffic.astype(np.float64) * bytes_per_unit, topo)
     return [simulate_schedule(build_schedule(s, traffic, topo), s, bytes_per_unit, lb) for s in schemes]
