@@ -298,6 +298,23 @@ def test_dense_model_is_rejected():
         install_from_args(args)
 
 
+def test_args_given_as_a_mapping_or_of_the_wrong_type():
+    """A dict of Megatron's argument names reads as the namespace it would be (it installed nothing,
+    silently); a --rails-config that is no path, a policy that is no config, are ConfigErrors."""
+    from megatron_rails.core.policy import PolicyConfig, as_policy
+    from megatron_rails.megatron.args import policy_from_args
+
+    assert policy_from_args({"moe_balancer": "fsep", "moe_balancer_slots": 3}) == PolicyConfig(policy="fsep", slots=3)
+    assert policy_from_args({}) is None
+    with pytest.raises(ConfigError, match="--rails-config: expected a YAML path or a preset name, got 5"):
+        policy_from_args(argparse.Namespace(rails_config=5))
+    for bad in (None, 5, b"fsep"):
+        with pytest.raises(ConfigError, match="a policy is a PolicyConfig, a dict, a YAML path or a preset name"):
+            as_policy(bad)
+    with pytest.raises(ConfigError, match="expected a mapping of PolicyConfig's keys"):
+        PolicyConfig.from_dict(None)
+
+
 def test_slots_without_a_policy_is_an_error():
     with pytest.raises(ConfigError, match="--moe-balancer-slots given without --moe-balancer or --rails-config"):
         install_from_args(parse(["--moe-balancer-slots", "2"]))

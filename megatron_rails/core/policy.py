@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -59,6 +60,8 @@ def suggest(key, valid, prefix: str = "", elsewhere: dict | None = None, synonym
 def from_mapping(cls, data: dict, where: str = "<dict>"):
     """Build the config dataclass `cls` from a mapping; ConfigError naming `where` and the key for
     unknown keys (with a did-you-mean hint, one line each) and for every value the dataclass rejects."""
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{where}: expected a mapping of {cls.__name__}'s keys, got {shown(data)}")
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted((str(k) for k in data if k not in names))
     if unknown:
@@ -226,5 +229,5 @@ def as_policy(cfg, build=from_mapping) -> PolicyConfig:
             raise ConfigError(f"unknown policy preset {shown(str(cfg))}; presets: "
                               f"{', '.join(presets.names(presets.POLICY_DIR))} (or give a path to a YAML file)")
         return PolicyConfig.from_yaml(preset if preset is not None else cfg, build)
-    raise TypeError(f"a policy is a PolicyConfig, a dict, a YAML path or a preset name "
+    raise ConfigError(f"a policy is a PolicyConfig, a dict, a YAML path or a preset name "
                     f"({', '.join(presets.names(presets.POLICY_DIR))}), got {type(cfg).__name__}")

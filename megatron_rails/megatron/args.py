@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+from collections.abc import Mapping
 
 from ..core.errors import check_file
 from ..core.policy import COMMS, ConfigError, PolicyConfig
@@ -82,7 +83,10 @@ def chain_extra_args(provider=None):
 
 def policy_from_args(args) -> PolicyConfig | None:
     """The PolicyConfig the flags on `args` ask for (YAML first, then flag overrides), or None when
-    neither --moe-balancer nor --rails-config is given. Missing attributes count as not given."""
+    neither --moe-balancer nor --rails-config is given. Missing attributes count as not given; a
+    mapping of the same names counts as the namespace it would be."""
+    if isinstance(args, Mapping):
+        args = argparse.Namespace(**{str(k): v for k, v in args.items()})
     given = {dest: getattr(args, dest, None) for dest in FLAGS}
     if given["moe_balancer"] is None and given["rails_config"] is None:
         stray = [FLAGS[d][0] for d in ("moe_balancer_slots", "moe_rails_comm") if given[d] is not None]
@@ -92,6 +96,8 @@ def policy_from_args(args) -> PolicyConfig | None:
         return None
     cfg = PolicyConfig()
     if given["rails_config"] is not None:
+        if not isinstance(given["rails_config"], (str, os.PathLike)):
+            raise ConfigError(f"--rails-config: expected a YAML path or a preset name, got {given['rails_config']!r}")
         try:
             cfg = PolicyConfig.from_yaml(given["rails_config"])
         except ConfigError as err:
@@ -132,6 +138,8 @@ def install_from_args(args, *, quiet: bool = False) -> PolicyConfig | None:
     """Build the PolicyConfig from parsed Megatron args, check it against them and install the
     dispatcher (megatron_rails.install). Returns None, installing nothing, when neither
     --moe-balancer nor --rails-config was given: Megatron stays stock."""
+    if isinstance(args, Mapping):  # as policy_from_args reads it
+        args = argparse.Namespace(**{str(k): v for k, v in args.items()})
     cfg = policy_from_args(args)
     if cfg is None:
         return None
