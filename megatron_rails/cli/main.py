@@ -14,12 +14,12 @@ import sys
 import warnings
 
 from ..core.errors import ChildFailed, InputError, PlanError
+from ..core.limits import MAX_RANKS
 from ..core.outfile import WriteError
 from .args import (CliParser, Default, divisor_of, escaped, fill_defaults, flag_error, float_range, in_file, int_range,
                    out_file, plot_file)
 
 # bounds far beyond real expert parallelism, there so that a typo fails here and not in numpy
-MAX_RANKS = 4096
 MAX_TOKENS = 1 << 20     # tokens per rank per step
 MAX_SEED = 2**32 - 1
 DEFAULT_RANKS, DEFAULT_EXPERTS = 8, 8

@@ -9,9 +9,9 @@ from .args import Default, float_range, in_file, int_range, plot_file
 from .config import override_help
 from ..core.policy import MAX_SLOTS
 from ..sim.model import A2A_MODELS, MIN_MFU, OVERLAPS, WEIGHT_SYNCS
+from ..sim.run import MAX_STEPS
 
 
-MAX_STEPS = 10000  # each step plans every layer with every policy and keeps its figures
 
 
 def register_run(subparsers) -> None:

@@ -15,6 +15,7 @@ inconsistent plans. All arrays are int64 and read-only.
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import dataclass, field
 from functools import cached_property, lru_cache
 from typing import Sequence
@@ -30,6 +31,49 @@ SHARDED = "sharded"  # FSEP: every expert sharded over all ranks, every slot mat
 LAYOUTS = (OWNER, SHARDED)
 
 
+def _is_int(v) -> bool:
+    """A Python or numpy integer, not a bool (True would pass as 1 expert or 1 rank)."""
+    return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
+
+
+def _int_arg(v, name: str, lowest: int) -> int:
+    """`v` as a Python int if it is an integer (Python or numpy, not a bool) >= lowest; else a
+    PlanError naming the argument. Cheap: no numpy call (the helper constructors are on hot paths)."""
+    if type(v) is int and v >= lowest:
+        return v
+    if not _is_int(v) or v < lowest:
+        raise PlanError(f"{name} must be an integer >= {lowest}, got {shown(v)}")
+    return int(v)
+
+
+def _int_item(x, name: str) -> int:
+    """One entry of an id list (an integer, or a float holding one, as arrays take them), else a
+    PlanError naming where it sits: no silent truncation of 1.7 to 1."""
+    if type(x) is int:
+        return x
+    if _is_int(x):
+        return int(x)
+    if isinstance(x, (float, np.floating)) and math.isfinite(x) and x == int(x):
+        return int(x)
+    raise PlanError(f"{name} must hold integers, got {shown(x)}")
+
+
+def _rows(table, name: str) -> int:
+    """len(table) for a table given as one sequence per rank, else a PlanError naming it."""
+    if isinstance(table, (str, bytes)) or not hasattr(table, "__len__") or not hasattr(table, "__iter__"):
+        raise PlanError(f"{name} must be a list with one list of expert ids per rank, got {shown(table)}")
+    return len(table)
+
+
+def _row(row, name: str) -> list[int]:
+    """One rank's row of expert ids as Python ints (PlanError naming `name` for anything else)."""
+    if isinstance(row, (str, bytes)) or not hasattr(row, "__iter__"):
+        raise PlanError(f"{name} must be a list of expert ids, got {shown(row)}")
+    if isinstance(row, np.ndarray) and row.ndim != 1:
+        raise PlanError(f"{name} must be a 1-D list of expert ids, got shape {row.shape}")
+    return [_int_item(x, name) for x in row]
+
+
 def _frozen_i64(a, name: str, ndim: int) -> np.ndarray:
     if type(a) is np.ndarray and a.dtype == np.int64 and a.ndim == ndim:
         if not a.flags.writeable and a.base is None and a.flags.c_contiguous:
@@ -37,7 +81,10 @@ def _frozen_i64(a, name: str, ndim: int) -> np.ndarray:
         arr = a.copy()  # C order: the counts as the runtime gathers them take this path alone
         arr.flags.writeable = False
         return arr
-    arr = np.asarray(a)
+    try:
+        arr = np.asarray(a)
+    except (ValueError, TypeError):  # ragged rows, an object numpy cannot take
+        raise PlanError(f"{name} must be a {ndim}-D integer array (rows of equal length), got {shown(a)}") from None
     if arr.ndim != ndim:
         raise PlanError(f"{name} must be {ndim}-D, got shape {arr.shape}")
     if arr.dtype.kind not in "iuf" and (arr.size or arr.dtype.kind != "b"):  # bool, complex, object, text
@@ -130,6 +177,18 @@ def owner_slots_needed(num_experts: int, num_ranks: int) -> int:
     return -(-num_experts // num_ranks)
 
 
+_SCALARS = {"num_experts": 1, "ranks_per_node": 1, "owner_slots": 0}  # Placement's integer fields, lowest values
+
+
+def _int_vector(a, name: str) -> np.ndarray:
+    """int64 [N] from an int64 array as it is (no copy: the planners' path), else from any integer
+    array, list or tuple (integral floats too, as _frozen_i64 takes them); PlanError naming `name`
+    for fractions, NaN, text, None or ragged input."""
+    if type(a) is np.ndarray and a.dtype == np.int64 and a.ndim == 1:
+        return a
+    return _frozen_i64(a, name, 1)
+
+
 @dataclass(frozen=True, eq=False)
 class Placement:
     """Which expert sits in every slot of every rank.
@@ -148,20 +207,35 @@ class Placement:
     def __post_init__(self):
         se = _frozen_i64(self.slot_expert_DS, "slot_expert_DS", 2)
         object.__setattr__(self, "slot_expert_DS", se)
-        self.validate()
+        for name in _SCALARS:  # numpy integers become Python ints (same digest); others refused
+            v = getattr(self, name)
+            if type(v) is not int:
+                object.__setattr__(self, name, _int_arg(v, name, _SCALARS[name]))
+        self._check()
 
     def validate(self) -> "Placement":
         """Raise PlanError unless the placement satisfies the plan model (run on construction;
         `trusted` placements skip it until called)."""
         se = self.slot_expert_DS
+        if not (isinstance(se, np.ndarray) and se.dtype == np.int64 and se.ndim == 2):
+            raise PlanError("slot_expert_DS must be a 2-D int64 array")
+        for name in _SCALARS:  # the constructor made them ints; a trusted placement's are checked here
+            v = getattr(self, name)
+            if type(v) is not int and not _is_int(v):
+                raise PlanError(f"{name} must be an integer >= {_SCALARS[name]}, got {shown(v)}")
+        return self._check()
+
+    def _check(self) -> "Placement":
+        """validate() past the types (which the constructor has already made int64 and ints)."""
+        se = self.slot_expert_DS
         D, S = se.shape
         E, G = int(self.num_experts), int(self.ranks_per_node)
         if D < 1 or E < 1:
-            raise PlanError(f"need at least one rank and one expert, got D={D}, E={E}")
+            raise PlanError(f"need at least one rank and one expert, got D={D} ranks, num_experts={E}")
         if G < 1 or D % G:
             raise PlanError(f"ranks_per_node={G} must be >= 1 and divide the number of ranks {D}")
-        if self.layout not in LAYOUTS:
-            raise PlanError(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
+        if not isinstance(self.layout, str) or self.layout not in LAYOUTS:
+            raise PlanError(f"layout must be one of {LAYOUTS}, got {shown(self.layout)}")
         # the replica table (filled slots sorted by (expert, rank)) also checks the expert ids and
         # finds an expert hosted twice
         self.__dict__["_replicas"] = _replica_table(se, E)
@@ -195,9 +269,13 @@ class Placement:
         compiled, its replica table and expert_ptr come from one pass that also finds an expert id
         out of range or hosted twice on a rank (the constructor then names it), instead of the
         numpy sort and reductions, which cost a plan tens of microseconds on cold caches."""
-        se, E, G = slot_expert_DS, int(num_experts), int(ranks_per_node)
+        se = slot_expert_DS
+        E, G = _int_arg(num_experts, "num_experts", 1), _int_arg(ranks_per_node, "ranks_per_node", 1)
+        if not (type(se) is np.ndarray and se.dtype == np.int64 and se.ndim == 2 and se.flags.c_contiguous
+                and se.flags.writeable):  # a list, another dtype, a view: the constructor converts or refuses it
+            return cls(se, E, G, SHARDED, 0)
         D, S = se.shape
-        if _REPLICA_TABLE is None or E < 1 or G < 1 or D % G:
+        if _REPLICA_TABLE is None or D % G:
             return cls(se, E, G, SHARDED, 0)
         tables = np.empty((3, D * S), dtype=np.int64)
         ptr = np.empty(E + 1, dtype=np.int64)
@@ -216,13 +294,21 @@ class Placement:
     @classmethod
     def owner(cls, num_experts: int, num_ranks: int, ranks_per_node: int,
               redundant_DR: Sequence[Sequence[int]] | None = None, slots: int = 0) -> "Placement":
-        """Owner layout with `slots` redundant slots per rank; redundant_DR[d] lists rank d's replicas."""
+        """Owner layout with `slots` redundant slots per rank; redundant_DR[d] lists rank d's replicas
+        (expert ids; -1 entries are skipped)."""
+        num_experts, num_ranks = _int_arg(num_experts, "num_experts", 1), _int_arg(num_ranks, "num_ranks", 1)
+        ranks_per_node, slots = _int_arg(ranks_per_node, "ranks_per_node", 1), _int_arg(slots, "slots", 0)
         ranks, experts = [], []
         if redundant_DR is not None:
-            if len(redundant_DR) != num_ranks:
-                raise PlanError(f"redundant slots given for {len(redundant_DR)} ranks, expected {num_ranks}")
+            n = _rows(redundant_DR, "redundant_DR")
+            if n != num_ranks:
+                raise PlanError(f"redundant_DR gives slots for {n} ranks, expected {num_ranks}")
             for d, row in enumerate(redundant_DR):
-                row = [int(x) for x in row if int(x) >= 0]
+                row = _row(row, f"redundant_DR[{d}]")
+                if row and min(row) < -1:
+                    raise PlanError(f"redundant_DR[{d}] holds expert {min(row)}, outside [0, {num_experts}) "
+                                    f"(or -1 for none)")
+                row = [x for x in row if x >= 0]
                 if len(row) > slots:
                     raise PlanError(f"rank {d}: {len(row)} replicas overflow its {slots} redundant slots")
                 ranks += [d] * len(row)
@@ -234,9 +320,14 @@ class Placement:
                          rank_I, expert_I) -> "Placement":
         """Owner layout plus replicas given as (rank_I[i], expert_I[i]) pairs (int [I]); a rank's
         redundant slots fill in the order its pairs appear."""
+        num_experts, num_ranks = _int_arg(num_experts, "num_experts", 1), _int_arg(num_ranks, "num_ranks", 1)
+        ranks_per_node, slots = _int_arg(ranks_per_node, "ranks_per_node", 1), _int_arg(slots, "slots", 0)
         L = owner_slots_needed(num_experts, num_ranks)
         se = _owner_template(num_experts, num_ranks, slots).copy()
-        r = np.asarray(rank_I, dtype=np.int64)
+        r = _int_vector(rank_I, "rank_I")  # planners pass int64 arrays: no copy, no numpy pass
+        e = _int_vector(expert_I, "expert_I")
+        if r.size != e.size:
+            raise PlanError(f"rank_I has {r.size} entries, expert_I {e.size}: one rank per expert")
         if r.size:
             if r.min() < 0:
                 raise PlanError(f"replica rank out of range [0, {num_ranks})")
@@ -248,21 +339,24 @@ class Placement:
                 d = int(np.argmax(n_D))
                 raise PlanError(f"rank {d}: {n_D[d]} replicas overflow its {slots} redundant slots")
             if most == 1:  # one replica per rank: its first redundant slot
-                se[r, L] = expert_I
+                se[r, L] = e
             else:
                 order = np.argsort(r, kind="stable")
                 start = np.cumsum(n_D) - n_D
                 slot = np.empty_like(r)
                 slot[order] = np.arange(r.size) - start[r[order]]
-                se[r, L + slot] = np.asarray(expert_I, dtype=np.int64)
+                se[r, L + slot] = e
         se.flags.writeable = False
         return cls(se, num_experts, ranks_per_node, OWNER, L)
 
     @classmethod
     def sharded(cls, num_experts: int, ranks_per_node: int, slots_DS: Sequence[Sequence[int]], slots: int) -> "Placement":
         """FSEP layout: rank d materializes the experts listed in slots_DS[d] (at most `slots`)."""
-        se = np.full((len(slots_DS), slots), -1, dtype=np.int64)
+        num_experts, slots = _int_arg(num_experts, "num_experts", 1), _int_arg(slots, "slots", 0)
+        ranks_per_node = _int_arg(ranks_per_node, "ranks_per_node", 1)
+        se = np.full((_rows(slots_DS, "slots_DS"), slots), -1, dtype=np.int64)
         for d, row in enumerate(slots_DS):
+            row = _row(row, f"slots_DS[{d}]")
             if len(row) > slots:
                 raise PlanError(f"rank {d}: {len(row)} experts overflow its {slots} FSEP slots")
             se[d, :len(row)] = row
@@ -329,7 +423,8 @@ class Placement:
         """Expert-weight bytes sent over the network to materialize `moves` replicas (default: every
         moved replica). An owner-layout replica is one full copy; an FSEP slot gathers the (D-1)/D of
         the expert held as shards elsewhere."""
-        n = int(self.is_moved_R.sum()) if moves is None else int(moves)
+        expert_param_bytes = _int_arg(expert_param_bytes, "expert_param_bytes", 0)
+        n = int(self.is_moved_R.sum()) if moves is None else _int_arg(moves, "moves", 0)
         if self.layout == SHARDED:
             D = self.num_ranks
             return int(n * expert_param_bytes * (D - 1) // D)
@@ -424,6 +519,10 @@ class Plan:
 
     def __post_init__(self):
         p = self.placement
+        if not isinstance(p, Placement):
+            raise PlanError(f"placement must be a Placement, got {type(p).__name__}")
+        if not isinstance(self.policy, str):
+            raise PlanError(f"policy must be a string, got {shown(self.policy)}")
         counts = check_counts(self.counts_DE, p.num_ranks, p.num_experts)
         object.__setattr__(self, "counts_DE", counts)
         quota = _frozen_i64(self.quota_R, "quota_R", 1)
@@ -480,9 +579,9 @@ class Plan:
         Raises PlanError for tokens on a rank that does not host the expert or negative counts;
         triples for the same (expert, rank) add up."""
         p = placement
-        e = np.asarray(expert_M, dtype=np.int64).ravel()
-        d = np.asarray(rank_M, dtype=np.int64).ravel()
-        t = np.asarray(tok_M, dtype=np.int64).ravel()
+        if not isinstance(p, Placement):
+            raise PlanError(f"placement must be a Placement, got {type(p).__name__}")
+        e, d, t = (_int_flat(a, name) for a, name in ((expert_M, "expert_M"), (rank_M, "rank_M"), (tok_M, "tok_M")))
         if not (e.size == d.size == t.size):
             raise PlanError("expert, rank and token arrays must have equal lengths")
         if t.size and t.min() < 0:
@@ -594,6 +693,16 @@ class Plan:
             "weight_bytes": self.weight_bytes(expert_param_bytes),
             "replicas": self.placement.num_replicas,
         }
+
+
+def _int_flat(a, name: str) -> np.ndarray:
+    """Any integer array-like (or a float one holding integers) flattened to int64 [N]; PlanError
+    naming `name` otherwise (no silent truncation of 0.5 to 0)."""
+    try:
+        arr = np.asarray(a)
+    except (ValueError, TypeError):
+        raise PlanError(f"{name} must be an integer array (rows of equal length), got {shown(a)}") from None
+    return _frozen_i64(arr.reshape(-1), name, 1)
 
 
 def imbalance(load_D: np.ndarray) -> float:

@@ -17,14 +17,13 @@ from pathlib import Path
 
 from . import presets
 from .errors import InputError, cut, shown
+from .limits import MAX_EXPERTS, MAX_SLOTS, MAX_WINDOW
 
 COMMS = ("direct", "rails")
-MAX_EXPERTS = 4096  # experts per layer the planners take: far beyond real MoE models (DeepSeek-V3: 256)
-MAX_SLOTS = 1024  # redundant slots per rank; more than any rank can hold experts for, and a bound
-                  # that keeps a typo (slots: 99999999999999999999) from reaching the planners' arrays
-# (lowest, highest) of the integer keys; 0 ranks_per_node = the launcher's ranks per node
-INT_RANGES = {"slots": (0, MAX_SLOTS), "ranks_per_node": (0, 1 << 16), "window": (1, 1 << 20),
-              "interval": (1, 1 << 20), "replica_cost_tokens": (0, 1 << 40)}
+# (lowest, highest) of the integer keys; 0 ranks_per_node = the launcher's ranks per node. The bounds
+# keep a typo (slots: 99999999999999999999) from reaching the planners' arrays
+INT_RANGES = {"slots": (0, MAX_SLOTS), "ranks_per_node": (0, 1 << 16), "window": (1, MAX_WINDOW),
+              "interval": (1, MAX_WINDOW), "replica_cost_tokens": (0, 1 << 40)}
 
 
 LISTED_KEYS = 8  # a section with more keys than this is not listed whole in an error line: config docs has it

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..core.errors import ChildFailed, InputError
+from ..core.errors import ChildFailed, InputError, reason, shown
 
 FORMAT, VERSION = "megatron-rails-trace", 1
 
@@ -99,29 +99,104 @@ class TraceRecorder:
         return save_trace(path, c, meta)
 
 
+SHAPE_KEYS = ("steps", "layers", "ranks", "experts")  # meta keys the counts' shape sets
+META_INTS = {"topk": 1, "hidden": 1, "tokens_per_rank": 0}  # meta keys holding integers: their least value
+
+
+def _check_path(path, what: str) -> Path:
+    if not isinstance(path, (str, os.PathLike)):
+        raise TraceError(f"path must be a file path ({what}), got {shown(path)}")
+    if not str(path):
+        raise TraceError(f"path: an empty path; give a {what}")
+    return Path(path)
+
+
+def _plain(value, key: str):
+    """`value` with numpy scalars as the built-in values they stand for, tuples as lists (recursively);
+    TraceError naming meta's `key` for anything JSON cannot hold."""
+    if isinstance(value, (np.bool_, np.integer, np.floating, np.str_)):
+        return value.item()
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_plain(v, key) for v in value]
+    if isinstance(value, dict) and all(isinstance(k, str) for k in value):
+        return {k: _plain(v, key) for k, v in value.items()}
+    raise TraceError(f"meta[{key!r}]: not a JSON value (a number, string, bool, list or dict with string keys), "
+                     f"got {type(value).__name__} {shown(value)}")
+
+
+def _check_meta(meta, shape: tuple) -> dict:
+    """A plain-JSON copy of `meta`: the shape keys agree with the counts' shape, topk / hidden /
+    tokens_per_rank are integers in range, policy / source strings; TraceError naming the key."""
+    if meta is None:
+        return {}
+    if not isinstance(meta, dict):
+        raise TraceError(f"meta must be a dict (or None), got {type(meta).__name__} {shown(meta)}")
+    out = {}
+    for k, v in meta.items():
+        if not isinstance(k, str):
+            raise TraceError(f"meta: keys must be strings, got {shown(k)}")
+        out[k] = _plain(v, k)
+    fixed = dict(zip(SHAPE_KEYS, shape)) | {"format": FORMAT, "version": VERSION}
+    for k, v in fixed.items():
+        if k in out and (isinstance(out[k], bool) or out[k] != v):
+            raise TraceError(f"meta[{k!r}] = {shown(out[k])} contradicts the trace: the counts' shape "
+                             f"[steps, layers, ranks, experts] is {list(shape)}, format {FORMAT} {VERSION}; "
+                             f"drop {k!r} from meta (it is written from the counts)")
+    for k, lo in META_INTS.items():
+        v = out.get(k)
+        if k in out and (isinstance(v, bool) or not isinstance(v, int) or v < lo):
+            raise TraceError(f"meta[{k!r}] must be a {'positive' if lo else 'non-negative'} integer, got {shown(v)}")
+    for k in ("policy", "source"):
+        if k in out and not isinstance(out[k], str):
+            raise TraceError(f"meta[{k!r}] must be a string, got {shown(out[k])}")
+    return out
+
+
 def save_trace(path, counts_IYDE, meta: dict | None = None) -> Path:
-    """Write a trace: .npz (counts + meta) or .npy/.json (workloads.save_counts, counts only)."""
-    p = Path(path)
-    c = np.asarray(counts_IYDE)
-    if c.ndim != 4 or c.dtype.kind not in "iu" or (c.size and c.min() < 0):
-        raise TraceError(f"{p}: a trace is non-negative integer counts [steps, layers, ranks, experts], "
-                         f"got shape {c.shape} dtype {c.dtype}")
-    c = c.astype(np.int64)
-    if p.suffix.lower() in (".npy", ".json"):
+    """Write a trace: .npz (counts + meta) or .npy/.json (workloads.save_counts, counts only).
+
+    counts_IYDE: a non-empty, non-negative integer array-like [steps, layers, ranks, experts] within
+    int64; meta: None or a dict of JSON values (numpy scalars taken as Python numbers). steps, layers,
+    ranks, experts, format and version are written from the counts (meta may repeat them, not change
+    them); topk, hidden and tokens_per_rank must be integers (topk, hidden >= 1). TraceError naming the
+    argument for anything else, before any file is written."""
+    from ..core.workloads import WorkloadError, validate_counts
+
+    p = _check_path(path, "a .npz, .npy or .json trace file")
+    try:
+        c = np.asarray(counts_IYDE)
+    except (ValueError, TypeError) as err:  # ragged nested lists
+        raise TraceError(f"{p}: counts_IYDE is not an array ({reason(err)})") from None
+    if c.ndim != 4 or c.dtype.kind not in "iu" or 0 in c.shape or (c.min() < 0):
+        raise TraceError(f"{p}: counts_IYDE: a trace is non-empty, non-negative integer counts [steps, layers, ranks, "
+                         f"experts], got shape {c.shape} dtype {c.dtype}")
+    try:  # within int64 (uint64 past it would wrap to negatives) and totals a plan holds: what load_trace takes
+        c = validate_counts(c, f"{p}: counts_IYDE")
+    except WorkloadError as err:
+        raise TraceError(str(err)) from None
+    meta = _check_meta(meta, c.shape)
+    suffix = p.suffix.lower()
+    if suffix in (".npy", ".json"):
         from ..core.workloads import save_counts
 
         return save_counts(p, c)
-    if p.suffix.lower() != ".npz":
+    if suffix != ".npz":
         raise TraceError(f"{p}: unsupported extension {p.suffix!r}; use .npz (with metadata), .npy or .json")
     I, Y, D, E = c.shape
     row = c[0, 0].sum(axis=1)
-    meta = {"format": FORMAT, "version": VERSION, "steps": I, "layers": Y, "ranks": D, "experts": E} | dict(meta or {})
+    meta = {"format": FORMAT, "version": VERSION, "steps": I, "layers": Y, "ranks": D, "experts": E} | meta
     if meta.get("topk"):
         meta.setdefault("tokens_per_rank", int(row.max()) // int(meta["topk"]))
+    try:
+        text = json.dumps(meta, allow_nan=False)
+    except ValueError as err:  # NaN / inf: not JSON
+        raise TraceError(f"meta: {reason(err)}") from None
     from ..core.outfile import open_for_writing
 
     with open_for_writing(p, "wb") as f:  # np.savez(str) would append .npz to other names
-        np.savez(f, counts=c, meta=np.array(json.dumps(meta)))
+        np.savez(f, counts=c, meta=np.array(text))
     return p
 
 
@@ -129,7 +204,7 @@ def load_trace(path) -> tuple[np.ndarray, dict]:
     """(int64 counts [I, Y, D, E], metadata dict) from .npz, or .npy/.json counts (2-D, 3-D or 4-D)."""
     from ..core.workloads import load_counts, load_trace_npz
 
-    p = Path(path)
+    p = _check_path(path, "a .npz, .npy or .json trace file")
     if p.suffix.lower() == ".npz":
         return load_trace_npz(p)
     c = load_counts(p)  # it says what is wrong with the file, as a counts file

@@ -68,7 +68,7 @@ import numpy as np
 
 from .rails import build_schedule, simulate_schedule
 from ..core.compiled import compiled
-from ..core.errors import InputError
+from ..core.errors import InputError, shown
 from ..core.topology import Topology
 
 OVERLAPS = ("none", "weights")
@@ -82,6 +82,7 @@ class SimError(InputError):
 
 
 MIN_MFU = 0.001  # 0.1% of peak: anything slower is a typo, not a GPU
+MAX_VALUE_BYTES = 16  # SimOptions.dtype_bytes / grad_bytes: fp64 is 8; anything past 16 is a typo
 
 
 @dataclass(frozen=True)
@@ -95,16 +96,30 @@ class SimOptions:
     dedup: bool = True            # a token crosses to a remote node once (policy key `dedup`)
 
     def __post_init__(self):
-        if not MIN_MFU <= self.mfu <= 1:  # below, absurd times (300-digit table cells at 1e-300)
-            raise SimError(f"--mfu must be in [{MIN_MFU}, 1], got {self.mfu}")
-        if self.overlap not in OVERLAPS:
-            raise SimError(f"--overlap must be one of {', '.join(OVERLAPS)}, got {self.overlap!r}")
-        if self.weight_sync not in WEIGHT_SYNCS:
-            raise SimError(f"--weight-sync must be one of {', '.join(WEIGHT_SYNCS)}, got {self.weight_sync!r}")
-        if self.a2a_model not in A2A_MODELS:
-            raise SimError(f"--a2a-model must be one of {', '.join(A2A_MODELS)}, got {self.a2a_model!r}")
+        # numpy scalars (a sweep's np.linspace, np.True_) as the built-in values they stand for, so that
+        # results, equality and JSON output treat them alike (as PolicyConfig does)
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            plain = bool(v) if isinstance(v, np.bool_) else int(v) if isinstance(v, np.integer) else \
+                float(v) if isinstance(v, np.floating) else str(v) if isinstance(v, np.str_) else v
+            if plain is not v:
+                object.__setattr__(self, f.name, plain)
+        mfu = self.mfu
+        if isinstance(mfu, bool) or not isinstance(mfu, (int, float)) or not MIN_MFU <= mfu <= 1:
+            # below MIN_MFU, absurd times (300-digit table cells at 1e-300)
+            raise SimError(f"--mfu must be a number in [{MIN_MFU}, 1], got {shown(mfu)}")
+        for key, flag, choices in (("overlap", "--overlap", OVERLAPS), ("weight_sync", "--weight-sync", WEIGHT_SYNCS),
+                                   ("a2a_model", "--a2a-model", A2A_MODELS)):
+            v = getattr(self, key)
+            if not isinstance(v, str) or v not in choices:
+                raise SimError(f"{flag} must be one of {', '.join(choices)}, got {shown(v)}")
+        for key, what in (("dtype_bytes", "bytes per activation and weight value"),
+                          ("grad_bytes", "bytes per returned gradient value")):
+            v = getattr(self, key)
+            if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= MAX_VALUE_BYTES:
+                raise SimError(f"{key} must be a positive integer ({what}, at most {MAX_VALUE_BYTES}), got {shown(v)}")
         if not isinstance(self.dedup, bool):
-            raise SimError(f"--dedup must be on or off, got {self.dedup!r}")
+            raise SimError(f"--dedup must be on or off (True or False), got {shown(self.dedup)}")
 
 
 def ep_topology(topo: Topology, ep: int, ep_per_node: int) -> Topology:
@@ -187,14 +202,23 @@ class Setup:
 
     @classmethod
     def from_run_config(cls, rc, slots: int | None = None) -> "Setup":
-        from ..core.policy import PolicyConfig
+        from ..core.policy import MAX_SLOTS, PolicyConfig
         from ..config.checks import ep_ranks_per_node
+        from ..config.run import RunConfig
 
+        if not isinstance(rc, RunConfig):
+            raise SimError(f"rc must be a RunConfig (config.run.load_run_config), got {type(rc).__name__}")
+        if slots is not None:
+            if isinstance(slots, np.integer):
+                slots = int(slots)
+            if isinstance(slots, bool) or not isinstance(slots, int) or not 0 <= slots <= MAX_SLOTS:
+                raise SimError(f"slots must be an integer in [0, {MAX_SLOTS}] (redundant slots per rank) or None "
+                               f"(the config's balancer), got {shown(slots)}")
         m, p, t = rc.model, rc.parallelism, rc.training
         etp = p.expert_tensor_parallel_size or p.tensor_model_parallel_size
         G_ep = ep_ranks_per_node(rc.topology.gpus_per_node, p.expert_model_parallel_size, etp)
         base = rc.balancer or PolicyConfig(slots=1)
-        base = dataclasses.replace(base, ranks_per_node=G_ep, slots=base.slots if slots is None else int(slots))
+        base = dataclasses.replace(base, ranks_per_node=G_ep, slots=base.slots if slots is None else slots)
         dp = rc.data_parallel_size
         gbs = t.global_batch_size or t.micro_batch_size * dp
         if p.tensor_model_parallel_size * p.context_parallel_size > t.micro_batch_size * m.seq_length:

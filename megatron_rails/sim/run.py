@@ -16,11 +16,13 @@ launch and framework overheads; they would add the same time to every policy and
 from __future__ import annotations
 
 import math
+import os
 import time
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..core.errors import reason, shown
 from .model import (CommModel, Setup, SimError, SimOptions, balanced_traffic, force_balanced_cost, head_ms, layer_cost,
                     plan_traffic)
 
@@ -62,6 +64,27 @@ def _trace_overrides(s: Setup, D: int, E: int) -> str:
     return ", ".join(say[:-1]) + " and " + say[-1]
 
 
+def _check_trace(trace, path) -> np.ndarray:
+    """int64 [I, Y, D, E] of a trace array-like: integer (or integer-valued), non-negative, 4-D, non-empty;
+    SimError naming `trace` (and its file) otherwise."""
+    from ..core.workloads import WorkloadError, validate_counts
+
+    where = f"trace {path}".rstrip()
+    try:
+        a = np.asarray(trace)
+    except (ValueError, TypeError) as err:  # ragged nested lists
+        raise SimError(f"{where}: not an array of counts [steps, layers, ranks, experts] ({reason(err)})") from None
+    if a.ndim != 4 or 0 in a.shape:
+        raise SimError(f"{where}: expected a non-empty 4-D array of counts [steps, layers, ranks, experts], "
+                       f"got shape {a.shape}")
+    if a.dtype.kind not in "iuf":
+        raise SimError(f"{where}: counts must be integers, got dtype {a.dtype}")
+    try:
+        return validate_counts(a, where)
+    except WorkloadError as err:
+        raise SimError(str(err)) from None
+
+
 @dataclass
 class Workload:
     """counts_DE per (step, layer): synthetic (skew) or a trace [I', Y', D, E] replayed cyclically
@@ -77,8 +100,16 @@ class Workload:
 
     def __post_init__(self):
         s = self.setup
+        if not isinstance(s, Setup):
+            raise SimError(f"setup must be a Setup (Setup.from_run_config), got {type(s).__name__}")
+        if isinstance(self.raw, np.bool_):
+            self.raw = bool(self.raw)
+        if not isinstance(self.raw, bool):
+            raise SimError(f"raw must be True or False, got {shown(self.raw)}")
+        if not isinstance(self.trace_path, (str, os.PathLike)):
+            raise SimError(f"trace_path must be a path (str), got {shown(self.trace_path)}")
         if self.trace is not None:
-            t = self.trace
+            self.trace = t = _check_trace(self.trace, self.trace_path)
             if t.shape[2] != s.ep or t.shape[3] != s.experts:
                 raise SimError(f"trace {self.trace_path}: counts are [D={t.shape[2]}, E={t.shape[3]}], the config "
                                f"has expert-parallel size {s.ep} and {s.experts} experts; simulate a config with "
@@ -113,12 +144,27 @@ class Workload:
 
 # -- driver ---------------------------------------------------------------------------------------------------
 
+def _names(value, flag: str) -> list[str]:
+    """The names of a comma-separated string or an iterable of strings (a list, a tuple), stripped;
+    SimError naming `flag` for anything else."""
+    if isinstance(value, str):
+        items = value.split(",")
+    else:
+        try:
+            items = list(value)
+        except TypeError:  # None, a number
+            raise SimError(f"{flag} must be comma-separated names or a list of names, got {shown(value)}") from None
+    for v in items:
+        if not isinstance(v, str):
+            raise SimError(f"{flag}: names must be strings, got {shown(v)} in {shown(value)}")
+    return [v.strip() for v in items if v.strip()]
+
+
 def check_names(policies, comms) -> tuple[list[str], list[str]]:
     from ..core.policy import COMMS
     from ..core.planners import POLICIES
 
-    pols = [p.strip() for p in (policies.split(",") if isinstance(policies, str) else policies) if p.strip()]
-    cms = [c.strip() for c in (comms.split(",") if isinstance(comms, str) else comms) if c.strip()]
+    pols, cms = _names(policies, "--policies"), _names(comms, "--comm")
     for p in pols:
         if p not in POLICIES:
             raise SimError(f"unknown policy {p!r}; choose from {', '.join(POLICIES)}")
@@ -160,6 +206,7 @@ def planners_for(setup: Setup, policies, slots_flag: bool = False):
     return out
 
 
+MAX_STEPS = 10000  # simulate_run's steps (and --steps): each plans every layer with every policy, kept in memory
 PROGRESS_S = 10.0  # within a step, progress is reported at most this often
 
 
@@ -170,9 +217,22 @@ def simulate_run(setup: Setup, opts: SimOptions, policies, comms, steps: int, wo
     fraction of the force-balanced ideal and balance figures; force_balanced: the ideal per comm.
     progress(steps done, steps, seconds so far, layers done in the step or None) after each step, and
     every PROGRESS_S within a long one."""
+    if not isinstance(setup, Setup):
+        raise SimError(f"setup must be a Setup (Setup.from_run_config), got {type(setup).__name__}")
+    if not isinstance(opts, SimOptions):
+        raise SimError(f"opts must be a SimOptions, got {type(opts).__name__}")
+    if not isinstance(workload, Workload):
+        raise SimError(f"workload must be a Workload, got {type(workload).__name__}")
+    if (workload.setup.ep, workload.setup.experts) != (setup.ep, setup.experts):
+        raise SimError(f"workload: made for expert-parallel size {workload.setup.ep} and {workload.setup.experts} "
+                       f"experts, the setup has {setup.ep} and {setup.experts}; build it from this setup")
+    if progress is not None and not callable(progress):
+        raise SimError(f"progress must be a callable or None, got {shown(progress)}")
+    if isinstance(steps, np.integer):
+        steps = int(steps)
+    if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= MAX_STEPS:
+        raise SimError(f"--steps must be a positive integer (at most {MAX_STEPS}), got {shown(steps)}")
     policies, comms = check_names(policies, comms)
-    if steps < 1:
-        raise SimError(f"--steps must be >= 1, got {steps}")
     run_pols = list(dict.fromkeys([BASELINE[0], *policies]))
     run_comms = list(dict.fromkeys([BASELINE[1], *comms]))
     planners = planners_for(setup, run_pols)

@@ -4,7 +4,8 @@
 """
 from __future__ import annotations
 
-from .base import Planner, PlannerBase, PlannerConfig, PlannerError
+from ..errors import shown
+from .base import MAX_RANKS, Planner, PlannerBase, PlannerConfig, PlannerError
 from .eplb import EplbPlanner
 from .fsep import FsepPlanner
 from .lp import LpPlanner
@@ -18,6 +19,9 @@ POLICIES = tuple(PLANNERS)
 
 
 def make_planner(name: str, cfg: PlannerConfig) -> PlannerBase:
+    """The planner of policy `name` (one of POLICIES) for cfg; PlannerError for another name."""
+    if not isinstance(name, str):  # a list or None: unhashable or no name at all
+        raise PlannerError(f"policy name must be a string, one of {', '.join(POLICIES)}; got {shown(name)}")
     try:
         cls = PLANNERS[name]
     except KeyError:
@@ -29,4 +33,5 @@ def make_planner(name: str, cfg: PlannerConfig) -> PlannerBase:
     return cls(cfg)
 
 
-__all__ = ["Planner", "PlannerBase", "PlannerConfig", "PlannerError", "PLANNERS", "POLICIES", "make_planner"]
+__all__ = ["MAX_RANKS", "Planner", "PlannerBase", "PlannerConfig", "PlannerError", "PLANNERS", "POLICIES",
+           "make_planner"]

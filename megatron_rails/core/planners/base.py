@@ -12,6 +12,7 @@ from typing import Any, ClassVar, Protocol
 import numpy as np
 
 from ..compiled import compiled
+from ..limits import MAX_EXPERTS, MAX_RANKS, MAX_SLOTS, MAX_WINDOW  # every [D, E] and [D, S] table bounded
 from ..plan import Plan, PlanError, c_order, check_counts, counts_and_load, owner_slots_needed
 
 
@@ -61,12 +62,17 @@ class PlannerConfig:
     def __post_init__(self):
         if not valid_tolerance(self.tolerance):
             raise PlannerError(f"tolerance must be a number in [0, 1], got {self.tolerance!r}")
-        for name in ("num_ranks", "num_experts", "window", "interval"):
+        for name, most in (("num_ranks", MAX_RANKS), ("num_experts", MAX_EXPERTS), ("window", MAX_WINDOW),
+                           ("interval", MAX_WINDOW)):
             v = getattr(self, name)
             if not _integer(v) or v < 1:
                 raise PlannerError(f"{name} must be a positive integer, got {v!r}")
+            if v > most:
+                raise PlannerError(f"{name} must be at most {most}, got {v}")
         if not _integer(self.slots) or self.slots < 0:
             raise PlannerError(f"slots must be a non-negative integer, got {self.slots!r}")
+        if self.slots > MAX_SLOTS:
+            raise PlannerError(f"slots must be at most {MAX_SLOTS} redundant slots per rank, got {self.slots}")
         g = self.ranks_per_node
         if not _integer(g) or g < 1:
             raise PlannerError(f"ranks_per_node must be a positive integer, got {g!r}")

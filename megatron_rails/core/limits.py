@@ -1,0 +1,7 @@
+"""Bounds on the sizes the planners and the policy take, far beyond real MoE models (DeepSeek-V3:
+256 experts, EP 64), shared by the policy, the planners and the CLI: a typo such as
+`num_experts=4 * 10**11` is refused with its name, not by numpy's MemoryError."""
+MAX_EXPERTS = 4096  # experts per layer
+MAX_SLOTS = 1024    # redundant slots per rank: more than any rank can hold experts for
+MAX_RANKS = 4096    # ranks of one expert-parallel group (twice the simulator's 2048 GPUs)
+MAX_WINDOW = 1 << 20  # steps of eplb's history window and re-planning interval
