@@ -64,6 +64,12 @@ class _Subcommands(argparse._SubParsersAction):
         return parser
 
 
+def discard(stream) -> None:
+    """Point `stream`'s descriptor at /dev/null after a failed write: what is still buffered goes
+    nowhere, so that the interpreter's flush at exit does not fail again."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), stream.fileno())
+
+
 class CliParser(argparse.ArgumentParser):
     """An ArgumentParser (its subcommands inherit the class) that reports a usage error in one line."""
 
@@ -86,8 +92,7 @@ class CliParser(argparse.ArgumentParser):
             file.write(message)
             file.flush()
         except OSError as err:
-            # what is still buffered goes nowhere, so that the interpreter's flush at exit does not fail again
-            os.dup2(os.open(os.devnull, os.O_WRONLY), file.fileno())
+            discard(file)
             if not isinstance(err, BrokenPipeError):
                 with contextlib.suppress(OSError):
                     sys.stderr.write(f"{self.prog}: error: {err.strerror or err}\n")

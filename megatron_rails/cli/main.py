@@ -16,8 +16,8 @@ import warnings
 from ..core.errors import ChildFailed, InputError, PlanError
 from ..core.limits import MAX_RANKS
 from ..core.outfile import WriteError
-from .args import (CliParser, Default, divisor_of, escaped, fill_defaults, flag_error, float_range, in_file, int_range,
-                   out_file, plot_file)
+from .args import (CliParser, Default, discard, divisor_of, escaped, fill_defaults, flag_error, float_range, in_file,
+                   int_range, out_file, plot_file)
 
 # bounds far beyond real expert parallelism, there so that a typo fails here and not in numpy
 MAX_TOKENS = 1 << 20     # tokens per rank per step
@@ -510,9 +510,7 @@ def main(argv=None) -> int:
         report(prog, InputError(f"out of memory ({str(err) or 'an allocation failed'}); try smaller sizes"))
         return 2
     except BrokenPipeError:
-        # the reader left (`... | head`): stop quietly; what is still buffered goes nowhere, so that
-        # the interpreter's own flush at exit does not raise again
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        discard(sys.stdout)  # the reader left (`... | head`): stop quietly
         return 1
     except OSError as err:
         named = _named_by(args, typed, err.filename)

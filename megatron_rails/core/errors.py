@@ -9,10 +9,17 @@ import math
 import reprlib
 from pathlib import Path
 
+import numpy as np
+
 SHOWN_CHARS = 60  # the most of a value an error message shows: a file may hold values of any size
 _REPR = reprlib.Repr()  # bounded work as well as bounded text: a shared list can expand to 10^9 items
 _REPR.maxlevel, _REPR.maxlist, _REPR.maxtuple, _REPR.maxdict = 3, 8, 8, 6
 _REPR.maxstring, _REPR.maxother, _REPR.maxlong = SHOWN_CHARS, SHOWN_CHARS, 40
+
+
+def is_integer(v) -> bool:
+    """A Python or numpy integer, not a bool (True would pass as 1 expert, slot or rank)."""
+    return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
 
 
 def shown(value, limit: int = SHOWN_CHARS) -> str:

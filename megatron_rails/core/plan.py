@@ -23,7 +23,7 @@ from typing import Sequence
 import numpy as np
 
 from .compiled import compiled
-from .errors import PlanError, shown
+from .errors import PlanError, is_integer, shown
 from .route import route_and_sends
 
 OWNER = "owner"      # stock EP owners in the first `owner_slots` slots, redundant replicas after them
@@ -31,17 +31,12 @@ SHARDED = "sharded"  # FSEP: every expert sharded over all ranks, every slot mat
 LAYOUTS = (OWNER, SHARDED)
 
 
-def _is_int(v) -> bool:
-    """A Python or numpy integer, not a bool (True would pass as 1 expert or 1 rank)."""
-    return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
-
-
 def _int_arg(v, name: str, lowest: int) -> int:
     """`v` as a Python int if it is an integer (Python or numpy, not a bool) >= lowest; else a
     PlanError naming the argument. Cheap: no numpy call (the helper constructors are on hot paths)."""
     if type(v) is int and v >= lowest:
         return v
-    if not _is_int(v) or v < lowest:
+    if not is_integer(v) or v < lowest:
         raise PlanError(f"{name} must be an integer >= {lowest}, got {shown(v)}")
     return int(v)
 
@@ -51,7 +46,7 @@ def _int_item(x, name: str) -> int:
     PlanError naming where it sits: no silent truncation of 1.7 to 1."""
     if type(x) is int:
         return x
-    if _is_int(x):
+    if is_integer(x):
         return int(x)
     if isinstance(x, (float, np.floating)) and math.isfinite(x) and x == int(x):
         return int(x)
@@ -221,7 +216,7 @@ class Placement:
             raise PlanError("slot_expert_DS must be a 2-D int64 array")
         for name in _SCALARS:  # the constructor made them ints; a trusted placement's are checked here
             v = getattr(self, name)
-            if type(v) is not int and not _is_int(v):
+            if type(v) is not int and not is_integer(v):
                 raise PlanError(f"{name} must be an integer >= {_SCALARS[name]}, got {shown(v)}")
         return self._check()
 

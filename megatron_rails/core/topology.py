@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from . import presets as _presets
-from .errors import shown
+from .errors import is_integer, shown
 from .policy import ConfigError, from_mapping
 from .yamlfile import read_mapping
 
@@ -91,8 +91,7 @@ class Topology:
     def for_world(self, world_size: int) -> "Topology":
         """This topology sized for `world_size` ranks; a clear error if it cannot hold them."""
         G = self.gpus_per_node
-        if isinstance(world_size, (bool, np.bool_)) or not isinstance(world_size, (int, np.integer)) \
-                or world_size < 1:
+        if not is_integer(world_size) or world_size < 1:
             raise ConfigError(f"topology {self.name!r}: world size must be a positive integer, got "
                               f"{shown(world_size)}")
         if world_size % G:

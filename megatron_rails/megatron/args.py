@@ -81,12 +81,16 @@ def chain_extra_args(provider=None):
     return extra_args_provider
 
 
+def _namespace(args):
+    """`args`, or a mapping of Megatron's argument names as the namespace it would be."""
+    return argparse.Namespace(**{str(k): v for k, v in args.items()}) if isinstance(args, Mapping) else args
+
+
 def policy_from_args(args) -> PolicyConfig | None:
     """The PolicyConfig the flags on `args` ask for (YAML first, then flag overrides), or None when
     neither --moe-balancer nor --rails-config is given. Missing attributes count as not given; a
     mapping of the same names counts as the namespace it would be."""
-    if isinstance(args, Mapping):
-        args = argparse.Namespace(**{str(k): v for k, v in args.items()})
+    args = _namespace(args)
     given = {dest: getattr(args, dest, None) for dest in FLAGS}
     if given["moe_balancer"] is None and given["rails_config"] is None:
         stray = [FLAGS[d][0] for d in ("moe_balancer_slots", "moe_rails_comm") if given[d] is not None]
@@ -138,8 +142,7 @@ def install_from_args(args, *, quiet: bool = False) -> PolicyConfig | None:
     """Build the PolicyConfig from parsed Megatron args, check it against them and install the
     dispatcher (megatron_rails.install). Returns None, installing nothing, when neither
     --moe-balancer nor --rails-config was given: Megatron stays stock."""
-    if isinstance(args, Mapping):  # as policy_from_args reads it
-        args = argparse.Namespace(**{str(k): v for k, v in args.items()})
+    args = _namespace(args)  # check_megatron_args reads it as policy_from_args does
     cfg = policy_from_args(args)
     if cfg is None:
         return None

@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import functools
 
-import numpy as np
-
+from ..core.errors import is_integer
 from ..core.policy import ConfigError
 from .dispatcher import RailsTokenDispatcher
 from .metrics import log_in_training_loop
@@ -51,8 +50,7 @@ def rails_gpt_layer_local_spec(num_experts: int, **kwargs):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     # Megatron-Core's spec gives a dense MLP for num_experts None (or 0): no MoE layer to replace
-    if isinstance(num_experts, (bool, np.bool_)) or not isinstance(num_experts, (int, np.integer)) \
-            or num_experts < 1:
+    if not is_integer(num_experts) or num_experts < 1:
         raise ConfigError(f"rails_gpt_layer_local_spec: num_experts must be a positive integer (the MoE "
                           f"layer's experts), got {num_experts!r}")
     spec = get_gpt_layer_local_spec(num_experts=int(num_experts), **kwargs)

@@ -49,7 +49,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from ..core.errors import InputError
+from ..core.errors import InputError, is_integer
 from ..core.rails_schedule import RailSchedule, rails_schedule
 from ..core.topology import Topology, load_topology
 
@@ -271,8 +271,7 @@ def simulate(traffic_DD, topo: Topology, bytes_per_unit: int = 1, schemes=SCHEME
     unknown = [str(x) for x in schemes if x not in SCHEMES]
     if unknown or not schemes:
         raise InputError(f"schemes: unknown {', '.join(unknown) or 'none given'}; choose from {', '.join(SCHEMES)}")
-    if isinstance(bytes_per_unit, (bool, np.bool_)) or not isinstance(bytes_per_unit, (int, np.integer)) \
-            or bytes_per_unit < 1:
+    if not is_integer(bytes_per_unit) or bytes_per_unit < 1:
         raise InputError(f"bytes_per_unit must be a positive integer, got {bytes_per_unit!r}")
     topo = load_topology(topo).for_world(traffic.shape[0] if traffic.ndim else 0)
     lb = lower_bound_us(traffic.astype(np.float64) * bytes_per_unit, topo)

@@ -12,17 +12,13 @@ from typing import Any, ClassVar, Protocol
 import numpy as np
 
 from ..compiled import compiled
+from ..errors import is_integer
 from ..limits import MAX_EXPERTS, MAX_RANKS, MAX_SLOTS, MAX_WINDOW  # every [D, E] and [D, S] table bounded
 from ..plan import Plan, PlanError, c_order, check_counts, counts_and_load, owner_slots_needed
 
 
 class PlannerError(PlanError):
     """A planner cannot serve this configuration or input."""
-
-
-def _integer(v) -> bool:
-    """An integer, not a bool (True would pass as 1 slot or 1 rank, as PolicyConfig refuses it)."""
-    return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
 
 
 def valid_tolerance(t) -> bool:
@@ -65,16 +61,16 @@ class PlannerConfig:
         for name, most in (("num_ranks", MAX_RANKS), ("num_experts", MAX_EXPERTS), ("window", MAX_WINDOW),
                            ("interval", MAX_WINDOW)):
             v = getattr(self, name)
-            if not _integer(v) or v < 1:
+            if not is_integer(v) or v < 1:
                 raise PlannerError(f"{name} must be a positive integer, got {v!r}")
             if v > most:
                 raise PlannerError(f"{name} must be at most {most}, got {v}")
-        if not _integer(self.slots) or self.slots < 0:
+        if not is_integer(self.slots) or self.slots < 0:
             raise PlannerError(f"slots must be a non-negative integer, got {self.slots!r}")
         if self.slots > MAX_SLOTS:
             raise PlannerError(f"slots must be at most {MAX_SLOTS} redundant slots per rank, got {self.slots}")
         g = self.ranks_per_node
-        if not _integer(g) or g < 1:
+        if not is_integer(g) or g < 1:
             raise PlannerError(f"ranks_per_node must be a positive integer, got {g!r}")
         if self.num_ranks < g:
             object.__setattr__(self, "ranks_per_node", int(self.num_ranks))
