@@ -30,11 +30,12 @@ def main(argv=None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE, file=sys.stdout if argv else sys.stderr)
         return 0 if argv else 2
+    from .cli.args import error_text
     from .core.errors import reason
     from .core.policy import ConfigError
 
     def error(why: str) -> int:
-        print(f"megatron_rails.launch: error: {why}", file=sys.stderr)
+        print(error_text("megatron_rails.launch", why), file=sys.stderr)
         return 2
 
     script = Path(argv[0])

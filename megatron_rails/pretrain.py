@@ -82,12 +82,13 @@ def main(argv=None) -> int:
     ap.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     args = ap.parse_args(argv)
 
+    from .cli.args import error_text
     from .config.run import load_run_config
     from .core.errors import reason
     from .core.policy import ConfigError
 
     def fail(msg: str) -> int:
-        print(f"megatron_rails.pretrain: error: {msg}", file=sys.stderr)
+        print(error_text("megatron_rails.pretrain", msg), file=sys.stderr)
         return 2
 
     try:

@@ -835,3 +835,56 @@ def test_dash_is_standard_output_for_results_and_refused_for_a_figure(tmp_path, 
     assert rc == 0 and out.startswith("# Configuration reference") and not (tmp_path / "-").exists(), err
     rc, _, err = run_cli(["bench", "rails", "--quick", "--out", "r.json", "--plot", "-"], capfd)
     assert rc == 2 and "--plot -: that is standard output" in err, err
+
+
+def test_bad_input_wraps_at_columns(tmp, capsys, monkeypatch):
+    """With COLUMNS set (as on a terminal) every error of the table wraps at that width: continuation
+    lines indented two columns, only a single word longer than the width (a path) over it, and the
+    words those of the one-line form, in order."""
+    width = 64
+    for _, argv, _ in CASES:
+        argv = [a.replace("{tmp}", str(tmp)) for a in argv]
+        monkeypatch.delenv("COLUMNS", raising=False)
+        _, _, one = run_cli(argv, capsys)
+        monkeypatch.setenv("COLUMNS", str(width))
+        _, _, wrapped = run_cli(argv, capsys)
+        lines = wrapped.splitlines()
+        assert lines[0].startswith("megatron-rails") and ": error:" in lines[0], wrapped
+        for ln in lines[1:]:
+            assert ln.startswith("  ") and not ln.startswith("   "), wrapped
+        assert all(len(ln) <= width or len(ln.split()) == 1 for ln in lines), wrapped
+        assert wrapped.split() == one.split(), (one, wrapped)
+        assert len(one.strip().splitlines()) == 1 and (len(lines) > 1) == (len(one.strip()) > width)
+
+
+def test_error_wraps_on_a_terminal_and_not_in_a_pipe(tmp):
+    """On a terminal of 60 columns (a pseudo-terminal as stderr) a long error wraps at 60; written to a
+    pipe the same error is one line."""
+    import fcntl
+    import pty
+    import struct
+    import subprocess
+    import termios
+
+    argv = [sys.executable, "-m", "megatron_rails.cli", *PLAN, "--counts", str(tmp / "c.npy"), "--seed", "3",
+            "--tokens-per-rank", "64"]
+    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
+    piped = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+    assert piped.returncode == 2 and len(piped.stderr.splitlines()) == 1 and len(piped.stderr) > 100, piped.stderr
+    leader, follower = pty.openpty()
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 60, 0, 0))
+    p = subprocess.run(argv, stdout=subprocess.PIPE, stderr=follower, env=env, cwd=ROOT, timeout=120)
+    os.close(follower)
+    got = b""
+    while True:
+        try:
+            chunk = os.read(leader, 4096)
+        except OSError:  # EIO: the terminal's other side closed
+            break
+        if not chunk:
+            break
+        got += chunk
+    os.close(leader)
+    lines = got.decode().replace("\r\n", "\n").splitlines()
+    assert p.returncode == 2 and len(lines) > 2 and max(map(len, lines)) <= 60, lines
+    assert " ".join(lines).split() == piped.stderr.split()

@@ -64,6 +64,35 @@ class _Subcommands(argparse._SubParsersAction):
         return parser
 
 
+def error_text(prog: str, message: str) -> str:
+    """`PROG: error: MESSAGE` as a line for stderr. Piped or written to a file it stays one line (a
+    log keeps each error on a line of its own, for grep); on a terminal, or with COLUMNS set, it
+    wraps at that width with the rest indented two columns, a longer word (a path) whole on a line
+    of its own. A message of several lines keeps its line breaks, each line wrapped."""
+    text = f"{prog}: error: {message}"
+    width = _stderr_width()
+    if width is None or max(map(len, text.splitlines() or [""])) <= width:
+        return text
+    import textwrap
+
+    return "\n".join(textwrap.fill(line, width, subsequent_indent="  ", break_on_hyphens=False,
+                                    break_long_words=False) for line in text.splitlines())
+
+
+def _stderr_width() -> int | None:
+    """The width error lines wrap at: COLUMNS where set, else the terminal's stderr writes to (80
+    where it reports none), else None (not a terminal)."""
+    columns = os.environ.get("COLUMNS", "").strip()
+    if columns.isdigit() and int(columns) > 0:
+        return max(int(columns), 40)
+    try:
+        if not sys.stderr.isatty():
+            return None
+        return max(os.get_terminal_size(sys.stderr.fileno()).columns or 80, 40)
+    except (AttributeError, ValueError, OSError):  # stderr replaced, closed, or not a real descriptor
+        return None
+
+
 def discard(stream) -> None:
     """Point `stream`'s descriptor at /dev/null after a failed write: what is still buffered goes
     nowhere, so that the interpreter's flush at exit does not fail again."""
@@ -95,14 +124,14 @@ class CliParser(argparse.ArgumentParser):
             discard(file)
             if not isinstance(err, BrokenPipeError):
                 with contextlib.suppress(OSError):
-                    sys.stderr.write(f"{self.prog}: error: {err.strerror or err}\n")
+                    sys.stderr.write(error_text(self.prog, str(err.strerror or err)) + "\n")
             raise SystemExit(1) from None
 
     def error(self, message):
         # the usage block of a long command pushes the message off screen; --help has the usage.
         # Checkers name their flag themselves: drop argparse's "argument --x: " before "--x ..."
         message = re.sub(r"^argument (\S+): (?=\1\b)", "", message)
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+        self.exit(2, error_text(self.prog, f"{message} (see {self.prog} --help)") + "\n")
 
 
 def _parse_int(name: str, text: str) -> int:

@@ -13,7 +13,7 @@ import shlex
 import textwrap
 import sys
 
-from .args import escaped, out_file
+from .args import error_text, escaped, out_file
 
 WIDTH = 80  # the widest line normal output prints
 
@@ -105,7 +105,7 @@ def cmd_validate(args) -> int:
             # a path with a newline in it cannot split a line
             text = escaped("\n".join(getattr(err, "errors", None) or [str(err)]), [path])
             for line in text.splitlines():
-                print(f"{prog}: error: {line}", file=sys.stderr)
+                print(error_text(prog, line), file=sys.stderr)
             continue
         print(_after(f"OK {escaped(path, [path])}", f"({_summary(obj)})", "  "))
     if failed:

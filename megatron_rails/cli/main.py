@@ -16,7 +16,7 @@ import warnings
 from ..core.errors import ChildFailed, InputError, PlanError
 from ..core.limits import MAX_RANKS
 from ..core.outfile import WriteError
-from .args import (CliParser, Default, discard, divisor_of, escaped, fill_defaults, flag_error, float_range, in_file,
+from .args import (CliParser, Default, discard, divisor_of, error_text, escaped, fill_defaults, flag_error, float_range, in_file,
                    int_range, out_file, plot_file)
 
 # bounds far beyond real expert parallelism, there so that a typo fails here and not in numpy
@@ -433,9 +433,9 @@ def report(prog: str, err: BaseException, args=None) -> None:
     quotes, so that it cannot split its line."""
     text = escaped("\n".join(getattr(err, "errors", None) or [str(err)]), _typed_strings(args))
     lines = text.splitlines() or [type(err).__name__]
-    print(f"{prog}: error: {lines[0]}", file=sys.stderr)
-    for line in lines[1:]:
-        print(line if isinstance(err, ChildFailed) else f"{prog}: error: {line}", file=sys.stderr)
+    print(error_text(prog, lines[0]), file=sys.stderr)
+    for line in lines[1:]:  # a failed run's output tail as it came
+        print(line if isinstance(err, ChildFailed) else error_text(prog, line), file=sys.stderr)
 
 
 def _typed_strings(args) -> list[str]:
@@ -488,7 +488,7 @@ def main(argv=None) -> int:
             args.overrides += [a for a in extra if override[a]]
             extra = [a for a in extra if not override[a]]
         if extra:  # the subcommand's own name and --help, not the top level's
-            print(f"{prog}: error: unrecognized arguments: {' '.join(extra)} (see {prog} --help)", file=sys.stderr)
+            print(error_text(prog, f"unrecognized arguments: {' '.join(extra)} (see {prog} --help)"), file=sys.stderr)
             return 2
     args.unset = fill_defaults(args)
     typed = list(sys.argv[1:] if argv is None else argv)
