@@ -9,10 +9,6 @@ of the second pass cover.
 """
 import os
 
-# the tests that check output widths set COLUMNS themselves; one inherited from the caller's shell
-# would wrap the error lines other tests read as one line (cli/args.error_text)
-os.environ.pop("COLUMNS", None)
-
 VERSION_INDEPENDENT = [
     "test_plan.py", "test_planners.py", "test_ultraep.py", "test_lp.py", "test_workloads.py", "test_config.py",
     "test_rails_alltoall.py", "test_rails_sim.py", "test_runconfig.py", "test_sim_run.py", "test_slurm.py",

@@ -837,16 +837,18 @@ def test_dash_is_standard_output_for_results_and_refused_for_a_figure(tmp_path, 
     assert rc == 2 and "--plot -: that is standard output" in err, err
 
 
-def test_bad_input_wraps_at_columns(tmp, capsys, monkeypatch):
-    """With COLUMNS set (as on a terminal) every error of the table wraps at that width: continuation
-    lines indented two columns, only a single word longer than the width (a path) over it, and the
-    words those of the one-line form, in order."""
+def test_bad_input_wraps_on_a_terminal(tmp, capsys, monkeypatch):
+    """On a terminal (its width given here: capsys is none; the next test runs a real one) every
+    error of the table wraps at that width: continuation lines indented two columns, only a single
+    word longer than the width (a path) over it, and the words those of the one-line form, in order."""
+    from megatron_rails.cli import args as cli_args
+
     width = 64
     for _, argv, _ in CASES:
         argv = [a.replace("{tmp}", str(tmp)) for a in argv]
-        monkeypatch.delenv("COLUMNS", raising=False)
+        monkeypatch.setattr(cli_args, "_terminal_width", lambda: None)
         _, _, one = run_cli(argv, capsys)
-        monkeypatch.setenv("COLUMNS", str(width))
+        monkeypatch.setattr(cli_args, "_terminal_width", lambda: width)
         _, _, wrapped = run_cli(argv, capsys)
         lines = wrapped.splitlines()
         assert lines[0].startswith("megatron-rails") and ": error:" in lines[0], wrapped
@@ -859,7 +861,8 @@ def test_bad_input_wraps_at_columns(tmp, capsys, monkeypatch):
 
 def test_error_wraps_on_a_terminal_and_not_in_a_pipe(tmp):
     """On a terminal of 60 columns (a pseudo-terminal as stderr) a long error wraps at 60; written to a
-    pipe the same error is one line."""
+    pipe the same error is one line, also with COLUMNS exported (as readline does in a Python
+    process that starts the command)."""
     import fcntl
     import pty
     import struct
@@ -869,7 +872,7 @@ def test_error_wraps_on_a_terminal_and_not_in_a_pipe(tmp):
     argv = [sys.executable, "-m", "megatron_rails.cli", *PLAN, "--counts", str(tmp / "c.npy"), "--seed", "3",
             "--tokens-per-rank", "64"]
     env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
-    piped = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+    piped = subprocess.run(argv, capture_output=True, text=True, env=dict(env, COLUMNS="60"), cwd=ROOT, timeout=120)
     assert piped.returncode == 2 and len(piped.stderr.splitlines()) == 1 and len(piped.stderr) > 100, piped.stderr
     leader, follower = pty.openpty()
     fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 60, 0, 0))

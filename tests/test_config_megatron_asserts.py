@@ -52,6 +52,10 @@ REFUSED = [
     *[(f"split {s!r}", [f"data.split='{s}'"], "data.split", "969,30,1")
       for s in ("abc", "0,0,0", "0", "1,2,3,4", "1e-3", "1,-2,3", "1,,2", "969;30;1", "1.2.3", ".", "abc1")],
     *[(f"split {s!r}", [f"data.split='{s}'"], "data.split", "no value for --split") for s in ("-1,2,3", "")],
+    # YAML numbers, taken as their text: a negative or an infinite one is no split either
+    *[(f"split number {s}", [f"data.split={s}"], "data.split", w) for s, w in (("-3", "no value for --split"),
+                                                                              (".inf", "969,30,1"), ("0", "969,30,1"))],
+    ("split true", ["data.split=true"], "data.split", "expected string or null"),
 ]
 
 ACCEPTED = [
@@ -63,6 +67,7 @@ ACCEPTED = [
     *[(f"tokenizer_type {t}", [f"data.tokenizer_type={t}"]) for t in ("NullTokenizer", "SFTTokenizer",
                                                                        "HuggingFaceTokenizer", "Llama2Tokenizer")],
     ("seq_length a multiple of 2 x cp", ["model.seq_length=40", "parallelism.context_parallel_size=4"]),
+    *[(f"split number {s}", [f"data.split={s}"]) for s in ("100", "99.5")],  # YAML numbers, as Megatron's text
     *[(f"split {s!r}", [f"data.split='{s}'"]) for s in ("969,30,1", "969, 30, 1", "99/1", "1", "1.5,0.5,0",
                                                          "0,0,1", " 90,5,5 ")],
 ]
@@ -82,6 +87,12 @@ def test_refused_one_line_exit_2(overrides, key, word, capsys):
 def test_boundary_accepted(overrides, capsys):
     rc, out, err = run_cli(["config", "show", MINI, *overrides, "--megatron-args"], capsys)
     assert rc == 0, err
+
+
+def test_split_number_reaches_megatron_as_its_text(capsys):
+    """`split: 100` (a YAML integer) is Megatron-LM's `--split 100`: everything to training."""
+    rc, out, err = run_cli(["config", "show", MINI, "data.split=100", "--megatron-args"], capsys)
+    assert rc == 0 and "--split 100" in " ".join(out.split()), (out, err)
 
 
 def test_config_validate_names_the_key(tmp_path, capsys):

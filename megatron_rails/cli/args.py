@@ -66,11 +66,12 @@ class _Subcommands(argparse._SubParsersAction):
 
 def error_text(prog: str, message: str) -> str:
     """`PROG: error: MESSAGE` as a line for stderr. Piped or written to a file it stays one line (a
-    log keeps each error on a line of its own, for grep); on a terminal, or with COLUMNS set, it
-    wraps at that width with the rest indented two columns, a longer word (a path) whole on a line
-    of its own. A message of several lines keeps its line breaks, each line wrapped."""
+    log keeps each error on a line of its own, for grep, and a program reading it gets one line
+    whatever COLUMNS it exports); on a terminal it wraps at the terminal's width with the rest
+    indented two columns, a longer word (a path) whole on a line of its own. A message of several
+    lines keeps its line breaks, each line wrapped."""
     text = f"{prog}: error: {message}"
-    width = _stderr_width()
+    width = _terminal_width()
     if width is None or max(map(len, text.splitlines() or [""])) <= width:
         return text
     import textwrap
@@ -79,18 +80,17 @@ def error_text(prog: str, message: str) -> str:
                                     break_long_words=False) for line in text.splitlines())
 
 
-def _stderr_width() -> int | None:
-    """The width error lines wrap at: COLUMNS where set, else the terminal's stderr writes to (80
-    where it reports none), else None (not a terminal)."""
-    columns = os.environ.get("COLUMNS", "").strip()
-    if columns.isdigit() and int(columns) > 0:
-        return max(int(columns), 40)
+def _terminal_width() -> int | None:
+    """The width of the terminal stderr writes to (COLUMNS where set, as the tables read it; 80
+    where the terminal reports none), or None where stderr is not a terminal."""
     try:
         if not sys.stderr.isatty():
             return None
-        return max(os.get_terminal_size(sys.stderr.fileno()).columns or 80, 40)
+        columns = os.environ.get("COLUMNS", "").strip()
+        width = int(columns) if columns.isdigit() else os.get_terminal_size(sys.stderr.fileno()).columns
     except (AttributeError, ValueError, OSError):  # stderr replaced, closed, or not a real descriptor
         return None
+    return max(width or 80, 40)
 
 
 def discard(stream) -> None:

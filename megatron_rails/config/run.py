@@ -31,10 +31,12 @@ _ROOT = Path(__file__).resolve().parents[2]
 REPO_DIR = _ROOT if (_ROOT / "pyproject.toml").is_file() and (_ROOT / "configs").is_dir() else None
 
 
-def _f(default=dataclasses.MISSING, doc: str = "", *, megatron: bool = True, choices=None, minimum=None, below=None):
-    """below: values must stay under it (Adam's betas, dropout: torch refuses 1 after minutes of start-up)."""
+def _f(default=dataclasses.MISSING, doc: str = "", *, megatron: bool = True, choices=None, minimum=None, below=None,
+       number_text: bool = False):
+    """below: values must stay under it (Adam's betas, dropout: torch refuses 1 after minutes of start-up).
+    number_text: a string key that also takes a YAML number, as its text (`split: 100`)."""
     return field(default=default, metadata={"doc": doc, "megatron": megatron, "choices": choices, "min": minimum,
-                                            "below": below})
+                                            "below": below, "number_text": number_text})
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -136,7 +138,7 @@ class DataConfig:
 
     mock_data: bool = _f(False, "synthetic data (no files)")
     data_path: list[str] | None = _f(None, "Megatron --data-path entries (weights and prefixes)")
-    split: str | None = _f(None, "train,valid,test weights: 1 to 3 numbers, e.g. 969,30,1")
+    split: str | None = _f(None, "train,valid,test weights: 1 to 3 numbers, e.g. 969,30,1", number_text=True)
     tokenizer_type: str | None = _f(None, "tokenizer class", choices=TOKENIZER_TYPES)
     tokenizer_model: str | None = _f(None, "tokenizer file or name")
     vocab_size: int | None = _f(None, "NullTokenizer's vocabulary (also the CPU demo's)", minimum=1)

@@ -1,7 +1,7 @@
 """Checking YAML data against frozen dataclasses: types, choices, minimums, unknown keys with a
 did-you-mean hint, `key.sub=value` overrides. Every message names the file and the dotted key.
 
-Field metadata read here (set by config/run.py `_f`): doc, choices, min. Annotations understood: int, float,
+Field metadata read here (set by config/run.py `_f`): doc, choices, min, below, number_text. Annotations understood: int, float,
 bool, str, list[str] and `X | None`. Floats also accept strings such as "3e-4" (PyYAML reads an exponent
 without a dot as text).
 """
@@ -95,6 +95,8 @@ def build(cls, data, where: str, prefix: str, errors: list, origin: dict | None 
             continue
         ok, v = _coerce(hints[name], data[name])
         meta = f.metadata
+        if not ok and meta.get("number_text") and isinstance(v, (int, float)) and not isinstance(v, bool):
+            ok, v = True, str(v)  # YAML read `split: 100` as a number; Megatron-LM takes the text
         own = "min" in meta  # a run-section key (config/run.py `_f`); policy and topology keys check themselves
         if not ok:
             err(name, f"expected {type_name(hints[name])}, got {shown(data[name])}")
