@@ -315,6 +315,22 @@ def test_args_given_as_a_mapping_or_of_the_wrong_type():
         PolicyConfig.from_dict(None)
 
 
+def test_api_entry_points_name_a_wrong_argument():
+    """add_arguments and metrics_summary given something that is no parser / no model: a TypeError
+    saying what they take (an AttributeError on None before)."""
+    import torch
+
+    import megatron_rails
+
+    for bad in (None, {}, "parser"):
+        with pytest.raises(TypeError, match="add_arguments: expected an argparse.ArgumentParser"):
+            add_arguments(bad)
+    for bad in (None, [torch.nn.Linear(2, 2), None], "model"):
+        with pytest.raises(TypeError, match="expected a torch.nn.Module or a list of model chunks"):
+            megatron_rails.metrics_summary(bad)
+    assert megatron_rails.metrics_summary([torch.nn.Linear(2, 2)]) == {}  # no MoE layer: nothing to report
+
+
 def test_slots_without_a_policy_is_an_error():
     with pytest.raises(ConfigError, match="--moe-balancer-slots given without --moe-balancer or --rails-config"):
         install_from_args(parse(["--moe-balancer-slots", "2"]))

@@ -55,6 +55,8 @@ def _yaml_file(text: str) -> str:
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the "megatron-rails" argument group to `parser` and return it. Adding twice is a no-op
     (the patched pretrain_gpt.py run through the launcher chains it twice)."""
+    if not isinstance(parser, argparse.ArgumentParser):  # Megatron-LM's extra_args_provider gets its parser
+        raise TypeError(f"add_arguments: expected an argparse.ArgumentParser, got {type(parser).__name__}")
     if "--moe-balancer" in parser._option_string_actions:
         return parser
     group = parser.add_argument_group(

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import functools
 
+import torch
+
 from ..core.errors import is_integer
 from ..core.policy import ConfigError
 from .dispatcher import RailsTokenDispatcher
@@ -65,6 +67,9 @@ def rails_gpt_layer_local_spec(num_experts: int, **kwargs):
 
 def _rails_layers(model):
     chunks = model if isinstance(model, (list, tuple)) else [model]
+    bad = [c for c in chunks if not isinstance(c, torch.nn.Module)]
+    if bad:  # checked up front: a generator would raise only once iterated, and AttributeError there
+        raise TypeError(f"expected a torch.nn.Module or a list of model chunks, got {type(bad[0]).__name__}")
     for chunk in chunks:
         for module in chunk.modules():
             if isinstance(getattr(module, "token_dispatcher", None), RailsTokenDispatcher):
