@@ -1,5 +1,5 @@
 """The compiled parts: the planners' hot paths (ultraep's cascade, megatron_rails/core/planners/_ultraep_c.c;
-fsep's layout, _fsep_c.c), a plan's token route with a rank's tables from it
+fsep's layout, _fsep_c.c; the exact min-max flow, _flow_c.c), a plan's token route with a rank's tables from it
 (megatron_rails/core/_route_c.c) and the simulator's distinct-token model (megatron_rails/sim/_dedup_c.c).
 
 Optional: where no C compiler is available the build goes on without them and both run in pure
@@ -13,6 +13,8 @@ setup(ext_modules=[Extension("megatron_rails.core.planners._ultraep_c", ["megatr
                              depends=[WITHIN], extra_compile_args=FLAGS, optional=True),
                    Extension("megatron_rails.core.planners._fsep_c", ["megatron_rails/core/planners/_fsep_c.c"],
                              depends=[WITHIN], extra_compile_args=FLAGS, optional=True),
+                   Extension("megatron_rails.core.planners._flow_c", ["megatron_rails/core/planners/_flow_c.c"],
+                             extra_compile_args=FLAGS, optional=True),
                    Extension("megatron_rails.core._route_c", ["megatron_rails/core/_route_c.c"],
                              extra_compile_args=FLAGS, optional=True),
                    # no fused multiply-adds: bit-identical to the numpy loop it replaces

@@ -188,6 +188,31 @@ def test_fsep_without_spare_slots_hosts_every_loaded_expert_once():
     assert n_E.min() == 1 and n_E.sum() == 10  # every expert once, the spare slot used by one
 
 
+@pytest.mark.parametrize("seed", range(40))
+def test_fsep_routes_its_layout_optimally(seed):
+    """fsep's busiest rank is the LP optimum (pulp/HiGHS, core/oracle.py) of its own layout, rounded
+    up: an even split of every expert over its replicas is not, where other experts load the
+    replicas' ranks unevenly (D4 E4, one rank sending [297, 454, 0, 0]: 1.40 of the mean evenly
+    split on the layout fsep builds, 1.00 routed on it)."""
+    from megatron_rails.core.oracle import lp_min_max
+
+    rng = np.random.default_rng(seed)
+    D, E = [(4, 4), (2, 8), (4, 8), (3, 5), (8, 8), (4, 16)][seed % 6]
+    S = int(rng.integers(1, 3))
+    if seed == 0:
+        counts = np.zeros((D, E), dtype=np.int64)
+        counts[0] = [297, 454, 0, 0]
+    else:
+        p = rng.dirichlet(np.full(E, 0.3))
+        counts = rng.multinomial(int(rng.integers(50, 2000)), p, size=D).astype(np.int64)
+    plan, _ = make_planner("fsep", PlannerConfig(D, E, 1, S)).plan(counts)
+    plan.validate()
+    t_lp, _ = lp_min_max(counts.sum(axis=0), plan.placement)
+    assert plan.load_D.max() == int(np.ceil(t_lp - 1e-9)), (plan.load_D, t_lp)
+    if seed == 0:
+        assert plan.load_D.max() == 188  # ceil(751 / 4)
+
+
 def test_bad_counts_rejected():
     planner = make_planner("ultraep", PlannerConfig(4, 8, 2, 1))
     with pytest.raises(PlanError, match="negative"):

@@ -93,7 +93,18 @@ def min_max_quotas(load_E, placement: Placement, checked: bool = False) -> MinMa
     if flex.size == 0:
         return _result(quota, base, base_max, Fraction(base_max))
 
-    net = _Network(_shape(p, flex), load[flex], base)
+    if _FLOW_SOLVE is not None and total * D < _FLOW_SOLVE_MAX:
+        # the same iteration compiled (_flow_c.c, which builds the network itself): Python's
+        # network and Dinic are most of a route's host time
+        load_D = np.empty(D, dtype=np.int64)
+        status, t_int, tp, tq, flows = _FLOW_SOLVE(c_order(load), c_order(base), c_order(flex), c_order(ptr), c_order(n_E),
+                                                   c_order(rank_R), quota, load_D, E, R, D, flex.size, total,
+                                                   base_max)
+        if status == 0:
+            return _result(quota, load_D, t_int, Fraction(tp, tq), flows)
+        # else the Python iteration below, which raises what the compiled one ran into
+    shape = _shape(p, flex)
+    net = _Network(shape, load[flex], base)
     # Both are ratios w(X)/|X| of real rank sets (all ranks; the most loaded single rank), so T <= T*.
     T = max(Fraction(total, D), Fraction(base_max))
     flows = 0
@@ -125,6 +136,8 @@ def _result(quota, load_D, t_int, t_frac, flows=0) -> MinMaxResult:
 
 
 _FLOW_SPLIT = compiled("megatron_rails.core._route_c", "flow_split")  # None: numpy in min_max_quotas
+_FLOW_SOLVE = compiled("megatron_rails.core.planners._flow_c", "flow_solve")  # None: the Python network
+_FLOW_SOLVE_MAX = 1 << 62  # total tokens x ranks below it: every product in the compiled flow fits int64
 _SHAPES_KEPT = 8  # flexible-expert sets whose network shape a placement keeps
 
 

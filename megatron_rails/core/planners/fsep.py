@@ -2,7 +2,9 @@
 all ranks, and each step every rank materializes C = ceil(E/D) + R expert slots chosen from the
 current counts. Every expert keeps at least one slot; beyond that replica counts follow load
 (water-filling), replicas are packed LPT-style, and each expert's tokens are split evenly over its
-replicas, same-node replicas first.
+replicas, same-node replicas first; where that split leaves the busiest rank above the lower bound,
+the tokens are routed exactly on the layout instead (the min-max flow of planners/flow.py, as the
+step's later microbatches are).
 
 With a tolerance (PlannerConfig), the stock layout is tried first (each expert once, on its stock
 owner, in expert order: the shards travel without reordering), then one replica per expert
@@ -18,8 +20,9 @@ from __future__ import annotations
 import numpy as np
 
 from ..compiled import compiled
-from ..plan import SHARDED, Placement, Plan, _owner_template, stock_load_D
+from ..plan import SHARDED, Placement, Plan, _owner_template, rank_totals, stock_load_D
 from .base import PlannerBase, PlannerError, even_quotas
+from .flow import min_max_quotas
 from .packing import lpt_place, replica_counts
 
 
@@ -117,11 +120,20 @@ class FsepPlanner(PlannerBase):
     def _finish(self, counts: np.ndarray, load_E: np.ndarray, slot_DS: np.ndarray, replicas: int,
                 unplaced: int) -> Plan:
         """The plan on slot_DS (int64 [D, C], -1 free): every expert's tokens split evenly over its
-        slots. The placement is checked (an LPT bug would show there); the quotas fit the counts by
+        slots, or, where that leaves the busiest rank above the lower bound ceil(total / D), routed
+        exactly on the layout (the min-max flow the step's later microbatches get, planners/flow.py)
+        if that is lower: an even split ignores what the other experts put on each replica's rank.
+        The placement is checked (an LPT bug would show there); the quotas fit the counts by
         construction (every expert's even split sums to its load)."""
         cfg = self.cfg
         placement = Placement.sharded_table(slot_DS, cfg.num_experts, cfg.ranks_per_node)
         quota = even_quotas(load_E, placement.expert_ptr)
+        if replicas > cfg.num_experts:  # an expert on several ranks: its split is a choice
+            peak, total = rank_totals(placement.replica_rank_R, quota, cfg.num_ranks)[1:]
+            if peak > -(-total // cfg.num_ranks):  # above the lower bound: the exact route may be lower
+                exact = min_max_quotas(load_E, placement, checked=True)
+                if exact.t_int < peak:
+                    quota = exact.quota_R
         quota.flags.writeable = False
         return Plan.trusted(placement, counts, quota, self.name, self._info(replicas, unplaced))
 
