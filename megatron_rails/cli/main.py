@@ -16,8 +16,8 @@ import warnings
 from ..core.errors import ChildFailed, InputError, PlanError
 from ..core.limits import MAX_RANKS
 from ..core.outfile import WriteError
-from .args import (CliParser, Default, discard, divisor_of, error_text, escaped, fill_defaults, flag_error, float_range, in_file,
-                   int_range, out_file, plot_file)
+from .args import (CliParser, Default, discard, divisor_of, error_text, escaped, fill_defaults, flag_error, float_range,
+                   in_file, int_range, out_file, plot_file)
 
 # bounds far beyond real expert parallelism, there so that a typo fails here and not in numpy
 MAX_TOKENS = 1 << 20     # tokens per rank per step

@@ -97,9 +97,9 @@ def min_max_quotas(load_E, placement: Placement, checked: bool = False) -> MinMa
         # the same iteration compiled (_flow_c.c, which builds the network itself): Python's
         # network and Dinic are most of a route's host time
         load_D = np.empty(D, dtype=np.int64)
-        status, t_int, tp, tq, flows = _FLOW_SOLVE(c_order(load), c_order(base), c_order(flex), c_order(ptr), c_order(n_E),
-                                                   c_order(rank_R), quota, load_D, E, R, D, flex.size, total,
-                                                   base_max)
+        status, t_int, tp, tq, flows = _FLOW_SOLVE(
+            c_order(load), c_order(base), c_order(flex), c_order(ptr), c_order(n_E), c_order(rank_R), quota, load_D,
+            E, R, D, flex.size, total, base_max)
         if status == 0:
             return _result(quota, load_D, t_int, Fraction(tp, tq), flows)
         # else the Python iteration below, which raises what the compiled one ran into
