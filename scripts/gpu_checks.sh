@@ -33,13 +33,14 @@ built=$?
 if [ $built != 0 ]; then  # e.g. a setuptools older than pyproject.toml needs: the C files alone
   ext=$("$PY" -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')
   inc=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["include"])')
-  for c in megatron_rails/core/_route_c.c megatron_rails/core/planners/_ultraep_c.c megatron_rails/core/planners/_fsep_c.c; do
+  for c in megatron_rails/core/_route_c.c megatron_rails/core/planners/_ultraep_c.c megatron_rails/core/planners/_fsep_c.c \
+           megatron_rails/core/planners/_flow_c.c; do
     cc -O3 -std=c11 -shared -fPIC -I"$inc" "$c" -o "${c%.c}$ext" >> "$OUT/build.txt" 2>&1 || built=$?
   done
 fi
 say "0. compiled parts: build exit $built; $("$PY" -c 'from megatron_rails.core.compiled import compiled as c
 parts = [("megatron_rails.core._route_c", "rank_tables"), ("megatron_rails.core.planners._fsep_c", "fsep_layout"),
-         ("megatron_rails.core.planners._ultraep_c", "cascade_plan")]
+         ("megatron_rails.core.planners._ultraep_c", "cascade_plan"), ("megatron_rails.core.planners._flow_c", "flow_solve")]
 print("in use:", sum(c(m, n) is not None for m, n in parts), "of", len(parts))' 2>&1 | tail -1)"
 
 if [ "${SKIP_BENCH:-0}" = 1 ]; then say "1. bench local: skipped (SKIP_BENCH=1)"; else

@@ -89,10 +89,13 @@ def test_boundary_accepted(overrides, capsys):
     assert rc == 0, err
 
 
-def test_split_number_reaches_megatron_as_its_text(capsys):
-    """`split: 100` (a YAML integer) is Megatron-LM's `--split 100`: everything to training."""
-    rc, out, err = run_cli(["config", "show", MINI, "data.split=100", "--megatron-args"], capsys)
-    assert rc == 0 and "--split 100" in " ".join(out.split()), (out, err)
+@pytest.mark.parametrize("value,text", [("100", "100"), ("99.5", "99.5"), ("1.0e-5", "0.00001"),
+                                        ("2.5e+3", "2500")])
+def test_split_number_reaches_megatron_as_its_text(value, text, capsys):
+    """`split: 100` (a YAML number) is Megatron-LM's `--split 100`: everything to training; a float
+    written out (Megatron-LM reads `1e-05` as the numbers 1 and 05)."""
+    rc, out, err = run_cli(["config", "show", MINI, f"data.split={value}", "--megatron-args"], capsys)
+    assert rc == 0 and f"--split {text} " in " ".join(out.split()) + " ", (out, err)
 
 
 def test_config_validate_names_the_key(tmp_path, capsys):

@@ -13,6 +13,8 @@ import types
 import typing
 from pathlib import Path
 
+import numpy as np
+
 from ..core import presets
 from ..core.errors import cut, shown
 from ..core.policy import ConfigError, number_text
@@ -96,7 +98,9 @@ def build(cls, data, where: str, prefix: str, errors: list, origin: dict | None 
         ok, v = _coerce(hints[name], data[name])
         meta = f.metadata
         if not ok and meta.get("number_text") and isinstance(v, (int, float)) and not isinstance(v, bool):
-            ok, v = True, str(v)  # YAML read `split: 100` as a number; Megatron-LM takes the text
+            # YAML read `split: 100` as a number; Megatron-LM takes the text, written out (1e-05 would
+            # read as the numbers 1 and 05 there)
+            ok, v = True, str(v) if isinstance(v, int) else np.format_float_positional(v, trim="-")
         own = "min" in meta  # a run-section key (config/run.py `_f`); policy and topology keys check themselves
         if not ok:
             err(name, f"expected {type_name(hints[name])}, got {shown(data[name])}")

@@ -707,6 +707,12 @@ def imbalance(load_D: np.ndarray) -> float:
     return float(load.max() * load.size / total) if total > 0 else 1.0
 
 
+def peak_over_mean(most: int, total: int, num_ranks: int) -> float:
+    """imbalance of a per-rank load from its max and sum (rank_totals' figures), without the array;
+    the same float for loads below 2^53."""
+    return most * num_ranks / total if total > 0 else 1.0
+
+
 def stock_load_D(counts_DE: np.ndarray, num_ranks: int) -> np.ndarray:
     """int64 [D]: per-rank compute load with experts on their owners only (no replicas)."""
     counts = np.asarray(counts_DE, dtype=np.int64)

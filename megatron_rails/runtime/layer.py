@@ -34,13 +34,14 @@ import threading
 import time
 import warnings
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from typing import Optional
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..core.plan import SHARDED, Plan, PlanError, imbalance, stock_load_D
+from ..core.plan import SHARDED, Plan, PlanError, owner_of_experts, peak_over_mean, rank_totals
 from ..core.planners import make_planner
 from ..core.planners.step import choose, grow, replica_cost_tokens, route_on
 from ..core.policy import PolicyConfig
@@ -149,7 +150,10 @@ class LayerRuntime:
         self.dedup: Optional[DedupExchange] = None
         self.store: Optional[ExpertStore] = None
         # the latest layer steps only: a run of weeks must not grow this without bound
-        self.metrics: deque[dict] = deque(maxlen=METRICS_KEPT)
+        self._metrics: deque[dict] = deque(maxlen=METRICS_KEPT)
+        # the latest record and what completes it (_record), until exchange_tokens or a read does
+        self._unfilled: Optional[tuple[dict, Callable[[], dict]]] = None
+        self._owner_E = owner_of_experts(num_experts, self.num_ranks)  # stock placement, for the records
         self.unbalanced_steps = 0  # steps whose plan stayed above 1 + BALANCE_WARN max/mean
         self._recent: OrderedDict = OrderedDict()  # counts digest -> plan, the latest RECENT_PLANS
         self.plan: Optional[Plan] = None
@@ -204,8 +208,8 @@ class LayerRuntime:
         self.plan = plan
         self.sent = send_order(plan, self.rank, routing_map, probs, uniform=bool(lo == hi), receive=True)
         units_DV = self._node_units(x_TH.shape[0], gathered[:, E + 1])
-        record = None if replay else self._record(plan, counts_DE, (t1 - t0) * 1e6, (t2 - t1) * 1e6, x_TH, opened,
-                                                  fetched, units_DV)
+        record = None if replay else self._record(plan, (t1 - t0) * 1e6, (t2 - t1) * 1e6, x_TH, opened, fetched,
+                                                  units_DV)
         if self.dedup is not None:
             return (*self.dedup.send_rows(x_TH, self.sent.probs_P), record)
         return token_rows(x_TH, self.sent), self.sent.probs_P, record
@@ -290,7 +294,7 @@ class LayerRuntime:
         remaining = max(1, self._step_forwards - window.forwards)
         cost = self.policy.replica_cost_tokens or replica_cost_tokens(self.store.param_bytes // self.store.flat_size)
         most = (t_max - math.ceil(total / D)) * remaining  # down to the mean (rounded up as before)
-        balanced = total <= 0 or t_max * D / total <= 1 + BALANCE_WARN  # imbalance(load_D), the same float
+        balanced = peak_over_mean(t_max, total, D) <= 1 + BALANCE_WARN
         if balanced or most <= 0 or most < cost or not window.placement.has_free_slot:
             return on, False
         if fresh is None:
@@ -303,11 +307,30 @@ class LayerRuntime:
         """The token all-to-all: (x_Q [Q, H], probs_Q [Q]) in source-rank order."""
         maybe_fault("token_dispatch", self.rank)
         if self.dedup is not None:
-            return self.dedup.exchange(x_P, probs_P)
+            received = self.dedup.exchange(x_P, probs_P)
+            self._fill_record()
+            return received
         send_DD, so = self.plan.send_DD, self.sent
         x_Q = self.comm.exchange(x_P, so.send_D, so.recv_D, send_DD)
         probs_Q = self.comm.exchange(probs_P.unsqueeze(-1), so.send_D, so.recv_D, send_DD).squeeze(-1)
+        self._fill_record()
         return x_Q, probs_Q
+
+    def _fill_record(self) -> None:
+        """Complete the latest step's record (its deferred values, see _record) once the token
+        all-to-all is launched: on a GPU the host then works while the device exchanges, not before
+        it starts."""
+        unfilled, self._unfilled = self._unfilled, None
+        if unfilled is not None:
+            record, rest = unfilled
+            record.update(rest())
+
+    @property
+    def metrics(self) -> deque[dict]:
+        """The latest METRICS_KEPT layer steps' metric records (dicts, see _record), oldest first,
+        every one complete."""
+        self._fill_record()
+        return self._metrics
 
     # -- 3. group by slot ---------------------------------------------------------------------------
     def split_received(self, x_Q: torch.Tensor, probs_Q: torch.Tensor):
@@ -365,16 +388,15 @@ class LayerRuntime:
         return self.units.token_sums(y_N, T)
 
     # -- checks and metrics -----------------------------------------------------------------------
-    def _internode(self, send_DD: np.ndarray, units_DV: Optional[np.ndarray], token_bytes: int) -> dict:
+    def _internode(self, send_DD: np.ndarray, units_DV: Optional[np.ndarray], token_bytes: int, dedup: bool) -> dict:
         """Token bytes crossing nodes in the EP group's dispatch: a row per pair (no dedup) and a
-        row per unit (dedup), and what this step sent."""
+        row per unit (dedup), and what this step sent (dedup: whether it sent units)."""
         if units_DV is None:
             return {"internode_token_bytes_pairs": 0, "internode_token_bytes_dedup": 0, "internode_token_bytes": 0,
                     "dedup": False}
         node = np.arange(self.num_ranks) // self.node_size
         pairs = int(send_DD[node[:, None] != node[None, :]].sum()) * token_bytes
         units = int(units_DV.sum()) * token_bytes
-        dedup = self.dedup is not None
         return {"internode_token_bytes_pairs": pairs, "internode_token_bytes_dedup": units,
                 "internode_token_bytes": units if dedup else pairs, "dedup": dedup}
 
@@ -400,16 +422,18 @@ class LayerRuntime:
                                     f"(this rank {digest:x}, min {lo[0].item():x}, max {hi[0].item():x}); "
                                     f"token counts or planner state diverged")
 
-    def _record(self, plan: Plan, counts_DE: np.ndarray, gather_us: float, plan_us: float, x_TH,
-                opened, fetched: int, units_DV: Optional[np.ndarray] = None) -> dict:
-        token_bytes = x_TH.element_size() * x_TH.shape[-1]
-        send = plan.send_DD
-        # what the token exchange really moves: with dedup, stage 1's rows and the fan-out's
-        moved_DD = send if self.dedup is None else self.dedup.rows_DD + fanout_DD(send, self.node_size)
-        off_diag = int(moved_DD.sum() - np.trace(moved_DD))
-        expert_bytes = self.store.param_bytes if self.store else 0  # weights move in their own dtype
-        before_D, after_D = stock_load_D(counts_DE, self.num_ranks), plan.load_D
-        after = imbalance(after_D)
+    def _record(self, plan: Plan, gather_us: float, plan_us: float, x_TH, opened, fetched: int,
+                units_DV: Optional[np.ndarray] = None) -> dict:
+        """This step's metric record, a dict kept in self.metrics and returned. The balance before
+        and after, the plan's time and the unbalanced-step count are in it at once (Megatron's
+        tracker reads them every training forward); traffic, weight bytes, per-rank lists and the
+        inter-node figures follow when exchange_tokens has launched the token all-to-all, or when
+        self.metrics is read: they are a few dozen small numpy calls (140-180 us per layer step on
+        the development VM, docs/benchmarks.md) that the device would otherwise wait for here."""
+        self._fill_record()  # a step dispatched without its exchange (a fault, a test) completes now
+        # compiled sums (rank_totals): numpy's calls cost tens of microseconds on the cold caches here
+        before_D, most, total = rank_totals(self._owner_E, plan.load_E, self.num_ranks)
+        after = peak_over_mean(*plan.peak_load(), self.num_ranks)
         # the slot budget could not balance this step: say so once per layer, count it in the metric
         limited = plan.policy != "none" and after > 1 + BALANCE_WARN
         if limited:
@@ -418,27 +442,42 @@ class LayerRuntime:
                 warnings.warn(f"megatron-rails: {plan.policy} left max/mean tokens per rank at {after:.3f} "
                               f"(> {1 + BALANCE_WARN}). {_unbalanced_advice(self.policy)} Counted in the "
                               f"metric 'unbalanced_steps'.", RuntimeWarning, stacklevel=3)
-        self.metrics.append({
+        now = {
             "policy": plan.policy,
-            "max_over_mean_before": imbalance(before_D),
+            "max_over_mean_before": peak_over_mean(most, total, self.num_ranks),
             "max_over_mean_after": after,
             "unbalanced": limited,
             "unbalanced_steps": self.unbalanced_steps,
-            "tokens_per_rank_before": before_D.tolist(),
-            "tokens_per_rank_after": after_D.tolist(),
-            "replicas_used": int(plan.weight_moves),
-            "token_bytes_sent": off_diag * token_bytes,
-            # weights move when a window of resident slots opens (once per optimizer step), not per microbatch
-            "weight_bytes_sent": plan.placement.move_bytes(expert_bytes, fetched),
-            "weight_bytes_if_fetched": plan.weight_bytes(expert_bytes),  # per-microbatch movement would send
-            "slots_fetched": bool(opened),
-            "slots_added": fetched if opened == GROWN else 0,  # replicas the resident placement grew by
-            "resident_slots": int(plan.placement.is_moved_R.sum()),
             "plan_us": plan_us,
             "count_gather_us": gather_us,
-            "layout": "sharded" if plan.placement.layout == SHARDED else "owner",
-            # the token exchange (with dedup: stage 1) goes over RailS's three phases
-            "rails_sprayed": self.comm.sprays(send if self.dedup is None else self.dedup.rows_DD),
-            **self._internode(send, units_DV, token_bytes),
-        })
-        return self.metrics[-1]
+        }
+        # what rest() needs of this step, taken now (x_TH is not kept alive, self.dedup changes)
+        token_bytes = x_TH.element_size() * x_TH.shape[-1]
+        expert_bytes = self.store.param_bytes if self.store else 0  # weights move in their own dtype
+        dedup_rows_DD = self.dedup.rows_DD if self.dedup is not None else None
+
+        def rest() -> dict:
+            send = plan.send_DD
+            # what the token exchange really moves: with dedup, stage 1's rows and the fan-out's
+            moved_DD = send if dedup_rows_DD is None else dedup_rows_DD + fanout_DD(send, self.node_size)
+            off_diag = int(moved_DD.sum() - np.trace(moved_DD))
+            return {
+                "tokens_per_rank_before": before_D.tolist(),
+                "tokens_per_rank_after": plan.load_D.tolist(),
+                "replicas_used": int(plan.weight_moves),
+                "token_bytes_sent": off_diag * token_bytes,
+                # weights move when a window of resident slots opens (once per optimizer step), not per microbatch
+                "weight_bytes_sent": plan.placement.move_bytes(expert_bytes, fetched),
+                "weight_bytes_if_fetched": plan.weight_bytes(expert_bytes),  # per-microbatch movement would send
+                "slots_fetched": bool(opened),
+                "slots_added": fetched if opened == GROWN else 0,  # replicas the resident placement grew by
+                "resident_slots": int(plan.placement.is_moved_R.sum()),
+                "layout": "sharded" if plan.placement.layout == SHARDED else "owner",
+                # the token exchange (with dedup: stage 1) goes over RailS's three phases
+                "rails_sprayed": self.comm.sprays(send if dedup_rows_DD is None else dedup_rows_DD),
+                **self._internode(send, units_DV, token_bytes, dedup_rows_DD is not None),
+            }
+
+        self._unfilled = (now, rest)
+        self._metrics.append(now)
+        return now
