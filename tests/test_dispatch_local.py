@@ -564,3 +564,16 @@ def test_stage_puts_host_tables_on_the_device_in_one_buffer():
     assert len(bases) == 1, "not views of one buffer"
     meta = stage(tables, torch.device("meta"))
     assert all(t.device.type == "meta" and tuple(t.shape) == a.shape for t, a in zip(meta, tables))
+
+
+def test_values_on_copies_a_few_numbers_to_the_device(monkeypatch):
+    """staging.values_on (the metric values Megatron's tracker gets every layer step): the numbers
+    in the dtype asked for; the staging switch is checked as for the plan tables."""
+    from megatron_rails.runtime.staging import STAGING_ENV, values_on
+
+    got = values_on([1.5, 2.0, 1e6], torch.float32, torch.device("cpu"))
+    assert got.dtype == torch.float32 and got.tolist() == [1.5, 2.0, 1e6]
+    assert values_on([3.0], torch.float64, "meta").device.type == "meta"
+    monkeypatch.setenv(STAGING_ENV, "paged")
+    with pytest.raises(ValueError, match="expected pinned or pageable"):
+        values_on([1.0], torch.float32, torch.device("cpu"))

@@ -21,6 +21,7 @@ import weakref
 
 import torch
 
+from ..runtime.staging import values_on
 from . import compat
 
 TRACKED = {
@@ -51,7 +52,9 @@ def record_step(layer, record: dict, device) -> bool:
         return False
     cfg = layer.config
     num_layers = cfg.num_layers + (getattr(cfg, "mtp_num_layers", None) or 0)  # the router's convention
-    values = torch.tensor([float(record[key]) for key in TRACKED.values()], dtype=torch.float32, device=device)
+    # one non-blocking copy (pinned on CUDA): a tensor made on the device from a list would copy
+    # from pageable memory, which waits for the kernels queued before it, right before the exchange
+    values = values_on([float(record[key]) for key in TRACKED.values()], torch.float32, device)
     for name, value in zip(TRACKED, values):
         compat.record_moe_metric(name, value, layer.layer_number, num_layers)
     return True

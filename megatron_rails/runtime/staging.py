@@ -15,17 +15,27 @@ import torch
 STAGING_ENV = "MEGATRON_RAILS_H2D"  # pinned (default) or pageable: how per-plan tables reach a GPU
 
 
+def _pinned(device) -> bool:
+    """Whether host buffers bound for `device` are pinned ($MEGATRON_RAILS_H2D, CUDA only)."""
+    how = os.environ.get(STAGING_ENV, "pinned")
+    if how not in ("pinned", "pageable"):
+        raise ValueError(f"{STAGING_ENV}={how!r}: expected pinned or pageable")
+    return torch.device(device).type == "cuda" and how == "pinned"
+
+
 def host_rows(n: int, device, rows: int = 2) -> torch.Tensor:
     """An int64 [rows, n] host buffer for per-plan rows bound for `device`: filled through .numpy(),
     then sent by one `.to(device, non_blocking=True)`. Pinned for CUDA, so that copy does not wait
     for the device (the caching host allocator keeps the block until the copy is done);
     $MEGATRON_RAILS_H2D=pageable stages them through pageable memory instead (the driver copies
     small pageable buffers to its own staging memory and returns; bench local compares the two)."""
-    how = os.environ.get(STAGING_ENV, "pinned")
-    if how not in ("pinned", "pageable"):
-        raise ValueError(f"{STAGING_ENV}={how!r}: expected pinned or pageable")
-    pin = torch.device(device).type == "cuda" and how == "pinned"
-    return torch.empty((rows, n), dtype=torch.int64, pin_memory=pin)
+    return torch.empty((rows, n), dtype=torch.int64, pin_memory=_pinned(device))
+
+
+def values_on(values: list, dtype: torch.dtype, device) -> torch.Tensor:
+    """A few host numbers as a 1-D `dtype` tensor on `device`, by one non-blocking copy from a
+    host_rows-like buffer (`torch.tensor(values, device=cuda)` copies from pageable memory)."""
+    return torch.tensor(values, dtype=dtype, pin_memory=_pinned(device)).to(device, non_blocking=True)
 
 
 def permutation_and_inverse(order_N: np.ndarray, device) -> tuple[torch.Tensor, torch.Tensor]:
