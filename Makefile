@@ -18,7 +18,7 @@ PYTEST_ARGS ?=
 venv: $(STAMP)
 
 $(STAMP): pyproject.toml setup.py megatron_rails/core/planners/_ultraep_c.c megatron_rails/core/planners/_fsep_c.c \
-          megatron_rails/core/planners/_flow_c.c \
+          megatron_rails/core/planners/_flow_c.c megatron_rails/core/_buffers.h \
           megatron_rails/core/_route_c.c megatron_rails/sim/_dedup_c.c Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip

@@ -9,14 +9,15 @@ from setuptools import Extension, setup
 
 FLAGS = ["-O3", "-std=c11", "-Wall", "-Wextra"]
 WITHIN = "megatron_rails/core/planners/_within.h"  # the planners' tolerance test, shared by both
+BUFFERS = "megatron_rails/core/_buffers.h"  # taking the arrays, shared by the route and the flow
 setup(ext_modules=[Extension("megatron_rails.core.planners._ultraep_c", ["megatron_rails/core/planners/_ultraep_c.c"],
                              depends=[WITHIN], extra_compile_args=FLAGS, optional=True),
                    Extension("megatron_rails.core.planners._fsep_c", ["megatron_rails/core/planners/_fsep_c.c"],
                              depends=[WITHIN], extra_compile_args=FLAGS, optional=True),
                    Extension("megatron_rails.core.planners._flow_c", ["megatron_rails/core/planners/_flow_c.c"],
-                             extra_compile_args=FLAGS, optional=True),
+                             depends=[BUFFERS], extra_compile_args=FLAGS, optional=True),
                    Extension("megatron_rails.core._route_c", ["megatron_rails/core/_route_c.c"],
-                             extra_compile_args=FLAGS, optional=True),
+                             depends=[BUFFERS], extra_compile_args=FLAGS, optional=True),
                    # no fused multiply-adds: bit-identical to the numpy loop it replaces
                    Extension("megatron_rails.sim._dedup_c", ["megatron_rails/sim/_dedup_c.c"],
                              extra_compile_args=FLAGS + ["-ffp-contract=off"], optional=True)])

@@ -27,6 +27,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "_buffers.h"
+
 typedef struct {
     int64_t key, tok; /* source * R + replica, tokens */
 } entry;
@@ -144,32 +146,6 @@ static int64_t route(const int64_t *counts, const int64_t *rep_e, const int64_t 
     for (int64_t d = 0; d < D; d++) ptr[d + 1] += ptr[d];
     free(iw), free(ent);
     return M;
-}
-
-static int get_buffer(PyObject *obj, Py_buffer *view, Py_ssize_t n, int writable, const char *name) {
-    if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | (writable ? PyBUF_WRITABLE : 0)) < 0) return -1;
-    if (view->itemsize != 8 || view->len < n * 8) {
-        PyErr_Format(PyExc_ValueError, "%s: expected at least %zd int64 values, got %zd bytes", name, n, view->len);
-        PyBuffer_Release(view);
-        return -1;
-    }
-    return 0;
-}
-
-static void release_buffers(Py_buffer *v, int n) {
-    for (int i = 0; i < n; i++) PyBuffer_Release(&v[i]);
-}
-
-/* args[slot[i]] for i < n as int64 C-contiguous buffers of at least sizes[i] values into v[i],
- * writable from index first_out on: 0, or -1 with the error set and every buffer taken released. */
-static int get_buffers(PyObject *const *args, const int *slot, const int64_t *sizes, const char *const *names,
-                       int n, int first_out, Py_buffer *v) {
-    for (int i = 0; i < n; i++)
-        if (get_buffer(args[slot[i]], &v[i], sizes[i], i >= first_out, names[i])) {
-            release_buffers(v, i);
-            return -1;
-        }
-    return 0;
 }
 
 static PyObject *route_csr(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {

@@ -27,6 +27,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "../_buffers.h"
+
 typedef struct {
     int64_t E, R, D, n, t;          /* flexible experts, replicas, rank nodes; nodes; the sink */
     const int64_t *load, *base, *kstart, *node;
@@ -204,16 +206,6 @@ static int cut_ratio(net_t *g, int64_t *p, int64_t *q) {
     return 1;
 }
 
-static int get_buffer(PyObject *obj, Py_buffer *view, Py_ssize_t n, int writable, const char *name) {
-    if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | (writable ? PyBUF_WRITABLE : 0)) < 0) return -1;
-    if (view->itemsize != 8 || view->len < n * 8) {
-        PyErr_Format(PyExc_ValueError, "%s: expected at least %zd int64 values, got %zd bytes", name, n, view->len);
-        PyBuffer_Release(view);
-        return -1;
-    }
-    return 0;
-}
-
 /* The iteration on g (its arrays set): 0 solved (f at t_int), 1 not converged, 2 an empty cut. */
 static int iterate(net_t *g, int64_t ranks, int64_t total, int64_t base_max, int64_t *t_int, int64_t *p,
                    int64_t *q, int64_t *flows) {
@@ -250,11 +242,8 @@ static PyObject *flow_solve(PyObject *self, PyObject *const *args, Py_ssize_t na
     Py_buffer v[8];
     const char *names[8] = {"load_E", "base_D", "flex", "ptr", "n_E", "rank_R", "quota", "load_out"};
     const int64_t sizes[8] = {EA, ranks, E, EA + 1, EA, RA, RA, ranks};
-    for (int i = 0; i < 8; i++)
-        if (get_buffer(args[i], &v[i], sizes[i], i >= 6, names[i])) {
-            for (int j = 0; j < i; j++) PyBuffer_Release(&v[j]);
-            return NULL;
-        }
+    const int slot[8] = {0, 1, 2, 3, 4, 5, 6, 7};
+    if (get_buffers(args, slot, sizes, names, 8, 6, v)) return NULL;
     const int64_t *load_all = v[0].buf, *base_all = v[1].buf, *flex = v[2].buf, *ptr = v[3].buf, *n_all = v[4].buf;
     const int64_t *rank_all = v[5].buf;
     int64_t *quota = v[6].buf, *load_out = v[7].buf;
@@ -265,7 +254,7 @@ static PyObject *flow_solve(PyObject *self, PyObject *const *args, Py_ssize_t na
         else R += n_all[e];
     }
     if (bad) {
-        for (int i = 0; i < 8; i++) PyBuffer_Release(&v[i]);
+        release_buffers(v, 8);
         PyErr_SetString(PyExc_ValueError, "flow_solve: a flexible expert out of range or with fewer than 2 replicas");
         return NULL;
     }
@@ -275,7 +264,7 @@ static PyObject *flow_solve(PyObject *self, PyObject *const *args, Py_ssize_t na
     size_t words = (size_t)(4 * E + 1 + 3 * R + 3 * ranks + (n + 1) + 3 * edges + 4 * n + R);
     int64_t *mem = malloc(sizeof(int64_t) * words);
     if (!mem) {
-        for (int i = 0; i < 8; i++) PyBuffer_Release(&v[i]);
+        release_buffers(v, 8);
         return PyErr_NoMemory();
     }
     int64_t *load = mem, *kstart = load + E, *src = kstart + E + 1, *out = src + E, *rep = out + E;
@@ -314,7 +303,7 @@ static PyObject *flow_solve(PyObject *self, PyObject *const *args, Py_ssize_t na
         for (int64_t m = 0; m < R; m++) quota[rep[m]] = f[m], load_out[rank_all[rep[m]]] += f[m];
     }
     free(mem);
-    for (int i = 0; i < 8; i++) PyBuffer_Release(&v[i]);
+    release_buffers(v, 8);
     if (bad) {
         PyErr_SetString(PyExc_ValueError, "flow_solve: a replica's rank out of range");
         return NULL;
