@@ -27,7 +27,7 @@ from fractions import Fraction
 import numpy as np
 
 from ..compiled import compiled
-from ..plan import Placement, PlanError, c_order, rank_totals
+from ..plan import OWNER, Placement, PlanError, c_order, rank_totals
 
 
 @dataclass(frozen=True)
@@ -61,6 +61,20 @@ def check_load(load_E, placement: Placement, checked: bool = False) -> np.ndarra
         e = int(np.flatnonzero(orphan)[0])
         raise PlanError(f"expert {e} has {load[e]} tokens but no replica in the placement")
     return load
+
+
+def optimal_as_is(placement: Placement, quota_R: np.ndarray, load_E: np.ndarray) -> tuple[int, bool]:
+    """(the busiest rank's load under quota_R, whether no split can do better on placement): it
+    reaches the lower bound ceil(total / D) that every split must meet, or no loaded expert has two
+    replicas (then every split is the same). Checked before any solve: a placement's own planner
+    often gets there (ultraep, whenever its cascade reaches the mean bound). quota_R, load_E: int64."""
+    D = placement.num_ranks
+    t, total = rank_totals(placement.replica_rank_R, quota_R, D)[1:]
+    if t * D <= total + D - 1:  # t <= ceil(total / D)
+        return t, True
+    if placement.layout == OWNER and placement.num_replicas == placement.num_experts:  # one replica each
+        return t, True
+    return t, not np.count_nonzero((placement.replicas_per_expert_E >= 2) & (load_E > 0))
 
 
 def min_max_quotas(load_E, placement: Placement, checked: bool = False) -> MinMaxResult:

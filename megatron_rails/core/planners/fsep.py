@@ -20,9 +20,9 @@ from __future__ import annotations
 import numpy as np
 
 from ..compiled import compiled
-from ..plan import SHARDED, Placement, Plan, _owner_template, rank_totals, stock_load_D
+from ..plan import SHARDED, Placement, Plan, _owner_template, stock_load_D
 from .base import PlannerBase, PlannerError, even_quotas
-from .flow import min_max_quotas
+from .flow import min_max_quotas, optimal_as_is
 from .packing import lpt_place, replica_counts
 
 
@@ -129,8 +129,8 @@ class FsepPlanner(PlannerBase):
         placement = Placement.sharded_table(slot_DS, cfg.num_experts, cfg.ranks_per_node)
         quota = even_quotas(load_E, placement.expert_ptr)
         if replicas > cfg.num_experts:  # an expert on several ranks: its split is a choice
-            peak, total = rank_totals(placement.replica_rank_R, quota, cfg.num_ranks)[1:]
-            if peak > -(-total // cfg.num_ranks):  # above the lower bound: the exact route may be lower
+            peak, optimal = optimal_as_is(placement, quota, load_E)
+            if not optimal:  # above the lower bound: the exact route may be lower
                 exact = min_max_quotas(load_E, placement, checked=True)
                 if exact.t_int < peak:
                     quota = exact.quota_R

@@ -18,10 +18,10 @@ import os
 import numpy as np
 
 from ..oracle import lp_integer_quotas, lp_min_max, time_vs_oracle  # noqa: F401 (re-export for the CLI)
-from ..plan import OWNER, Placement, Plan, PlanError, owner_slots_needed
+from ..plan import Placement, Plan, PlanError, owner_slots_needed
 from .base import PlannerBase, PlannerError
 from .eplb import EplbPlanner
-from .flow import min_max_quotas
+from .flow import min_max_quotas, optimal_as_is
 from .fsep import FsepPlanner
 from .ultraep import UltraEPPlanner
 
@@ -97,8 +97,8 @@ class LpPlanner(PlannerBase):
         else:
             base_plan, next_state = self.base_planner().plan(counts_DE, state)  # it checks the counts
             placement, base_info = base_plan.placement, base_plan.info
-            t = _optimal_as_is(base_plan)
-            if t is not None:  # no solver can do better on this placement: its quotas stand
+            t, optimal = optimal_as_is(placement, base_plan.quota_R, base_plan.load_E)
+            if optimal:  # no solver can do better on this placement: its quotas stand
                 info = {"t_int": t, "solver": "bound", "flows": 0, "placement": self.cfg.placement,
                         "placement_info": base_info}
                 return Plan.trusted(placement, base_plan.counts_DE, base_plan.quota_R, self.name, info), next_state
@@ -125,23 +125,6 @@ class LpPlanner(PlannerBase):
         if fallback is not None:
             info["fallback_reason"] = fallback
         return quota, info
-
-
-def _optimal_as_is(plan: Plan):
-    """The plan's max rank load where its quotas are already optimal on its placement, else None:
-    it reaches the lower bound ceil(total / D) that every split must meet, or no loaded expert has
-    two replicas (then every split is the same). Checked before any solve: the placement's own
-    planner usually gets there (ultraep, whenever its cascade reaches the mean bound)."""
-    t, total = plan.peak_load()
-    D = plan.placement.num_ranks
-    if t * D <= total + D - 1:  # t <= ceil(total / D)
-        return t
-    p = plan.placement
-    if p.layout == OWNER and p.num_replicas == p.num_experts:  # the owners alone: one replica each
-        return t
-    if not np.count_nonzero((p.replicas_per_expert_E >= 2) & (plan.load_E > 0)):
-        return t
-    return None
 
 
 def highs_quotas(load_E: np.ndarray, placement: Placement) -> tuple[np.ndarray, int, float]:
