@@ -1,5 +1,5 @@
-"""Loss table of the runs of scripts/gpu_pretrain_check.sh: every run's per-iteration lm loss against the
-stock run of the same world size.
+"""Loss table of the runs of scripts/pretrain_check.sh (gpu_pretrain_check.sh, cpu_pretrain_check.sh): every
+run's per-iteration lm loss against the stock run of its group.
 
     python scripts/pretrain_loss_table.py OUTDIR [--tol 1e-4] [--skip 5]
 
@@ -14,7 +14,9 @@ logged iteration:
     number of nan iterations:   0 |
 
 Prints the table and writes OUTDIR/table.md. Exit status 1 when a run's lm loss differs from its stock run's
-by more than --tol at some iteration, or when a run of a one-rank group (`ep1-*`) failed; 0 otherwise.
+by more than --tol at some iteration, or when a run of a one-rank group (`ep1-*`) failed (with --strict: any
+run); 0 otherwise. Where the log has them, the table also gives the dispatcher's max/mean tokens per EP rank
+under the stock placement and under the plan (medians over iterations).
 """
 from __future__ import annotations
 
@@ -43,6 +45,7 @@ class Run:
     losses: dict[int, float] = field(default_factory=dict)
     times: dict[int, float] = field(default_factory=dict)
     grad_norms: dict[int, float] = field(default_factory=dict)
+    balance: tuple[float | None, float | None] = (None, None)  # median max/mean tokens per rank: stock, plan
     train_iters: int | None = None
     error: str = ""
     note: str = ""
@@ -79,6 +82,28 @@ def parse_log(text: str) -> tuple[dict[int, float], dict[int, float], dict[int, 
     return losses, times, norms, total
 
 
+BALANCE_FIELDS = ("rails_max_over_mean_before", "rails_max_over_mean_after")
+
+
+def parse_balance(text: str) -> tuple[float | None, float | None]:
+    """Medians over the logged iterations of the dispatcher's max/mean tokens per EP rank under the stock
+    placement and under the plan (megatron_rails' tracker names in the training log; None without them)."""
+    values: dict[str, list[float]] = {name: [] for name in BALANCE_FIELDS}
+    for line in text.splitlines():
+        m = ITER_RE.search(line)
+        if not m:
+            continue
+        for part in m.group(3).split("|"):
+            f = FIELD_RE.match(part)
+            if f and f.group(1).strip() in values:
+                try:
+                    values[f.group(1).strip()].append(float(f.group(2)))
+                except ValueError:
+                    pass
+    before, after = (statistics.median(values[n]) if values[n] else None for n in BALANCE_FIELDS)
+    return before, after
+
+
 def last_error(text: str, rc: str | None = None) -> str:
     """The last meaningful error line of a log (a traceback's exception, torchrun's failure, a timeout)."""
     if rc == "skipped" or text.startswith("skipped"):
@@ -109,12 +134,13 @@ def load_runs(outdir: Path) -> list[Run]:
             run.rc = rc_file.read_text().strip()
         text = log.read_text(errors="replace")
         run.losses, run.times, run.grad_norms, run.train_iters = parse_log(text)
+        run.balance = parse_balance(text)
         if run.failed:
             run.error = last_error(text, run.rc)
         if (outdir / f"{log.stem}.deterministic-error.txt").exists():
             run.note = " (rerun without --deterministic-mode: an op had no deterministic kernel)"
         runs.append(run)
-    order = {"stock": 0, "none": 1, "eplb": 2, "fsep": 3, "ultraep": 4, "lp": 5}
+    order = {"stock": 0, "none": 1, "eplb": 2, "fsep": 3, "ultraep": 4, "lp": 5, "default": 6}
     return sorted(runs, key=lambda r: (r.group, order.get(r.policy, 9), r.policy))
 
 
@@ -127,14 +153,15 @@ def fmt(x: float | None, spec: str) -> str:
     return "–" if x is None else format(x, spec)
 
 
-def compare(runs: list[Run], tol: float, skip: int) -> tuple[list[str], list[str]]:
-    """Markdown table lines and the problems (reasons for exit status 1)."""
+def compare(runs: list[Run], tol: float, skip: int, strict: bool = False) -> tuple[list[str], list[str]]:
+    """Markdown table lines and the problems (reasons for exit status 1). strict: every failed run and every
+    group without a stock run is one (else only those of one-rank groups, ONE_RANK_GROUPS)."""
     stock = {r.group: r for r in runs if r.policy == "stock"}
-    lines = [f"lm loss vs the stock run of the same world size; tolerance {tol:g}; median iteration time over "
+    lines = [f"lm loss vs the stock run of the same group; tolerance {tol:g}; median iteration time over "
              f"iterations > {skip}.", "",
              "| run | iterations | max abs Δ lm loss | iterations exactly equal | max abs Δ grad norm "
-             "| median ms/iter | time / stock | status |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| max/mean tokens per rank, stock → plan | median ms/iter | time / stock | status |",
+             "|---|---|---|---|---|---|---|---|---|"]
     problems = []
     for run in runs:
         base = stock.get(run.group)
@@ -147,7 +174,7 @@ def compare(runs: list[Run], tol: float, skip: int) -> tuple[list[str], list[str
         status = "ok"
         if run.failed:
             status = f"FAILED: {run.error}"
-            if run.group in ONE_RANK_GROUPS:
+            if strict or run.group in ONE_RANK_GROUPS:
                 problems.append(f"{run.name} failed: {run.error}")
         if run is not base and base is not None and not base.failed and run.losses:
             common = sorted(set(run.losses) & set(base.losses))
@@ -173,10 +200,13 @@ def compare(runs: list[Run], tol: float, skip: int) -> tuple[list[str], list[str
                 status = f"ok (no stock to compare: {base.name} failed)"
             elif status == "ok" and base is None:
                 status = "ok (no stock run in this group)"
-        lines.append(f"| {run.name} | {total} | {fmt(delta, '.3e')} | {eq} | {fmt(dnorm, '.3e')} | {fmt(med, '.1f')} "
+        before, after = run.balance
+        balance = "–" if before is None or after is None else f"{before:.3f} → {after:.3f}"
+        lines.append(f"| {run.name} | {total} | {fmt(delta, '.3e')} | {eq} | {fmt(dnorm, '.3e')} | {balance} "
+                     f"| {fmt(med, '.1f')} "
                      f"| {fmt(ratio, '.2f')} | {(status + run.note).replace('|', '/')} |")
     for group in sorted({r.group for r in runs} - set(stock)):
-        if group in ONE_RANK_GROUPS:
+        if strict or group in ONE_RANK_GROUPS:
             problems.append(f"{group}: no stock run")
     return lines, problems
 
@@ -186,6 +216,8 @@ def main(argv=None) -> int:
     ap.add_argument("outdir", type=Path)
     ap.add_argument("--tol", type=float, default=1e-4, help="largest |lm loss - stock lm loss| accepted (1e-4)")
     ap.add_argument("--skip", type=int, default=5, help="iterations left out of the median time (5)")
+    ap.add_argument("--strict", action="store_true",
+                    help="every failed run is a problem, not only one-rank ones (CPU checks: nothing may fail)")
     args = ap.parse_args(argv)
     if not args.outdir.is_dir():
         ap.error(f"{args.outdir}: not a directory")
@@ -193,7 +225,7 @@ def main(argv=None) -> int:
     if not runs:
         print(f"{args.outdir}: no <group>-<run>.log files", file=sys.stderr)
         return 1
-    lines, problems = compare(runs, args.tol, args.skip)
+    lines, problems = compare(runs, args.tol, args.skip, args.strict)
     lines += ["", "Problems:" if problems else "No problems: every run matches its stock run within the tolerance."]
     lines += [f"* {p}" for p in problems]
     text = "\n".join(lines) + "\n"

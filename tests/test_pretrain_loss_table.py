@@ -211,3 +211,37 @@ def test_rerun_without_deterministic_mode_is_noted(tmp_path):
     assert proc.returncode == 0
     row = next(line for line in proc.stdout.splitlines() if line.startswith("| ep1-lp "))
     assert row.endswith("| ok (rerun without --deterministic-mode: an op had no deterministic kernel) |")
+
+
+def test_strict_makes_every_failure_a_problem(tmp_path):
+    # what the CPU check passes: there a multi-rank failure is no machine limit but a defect
+    write(tmp_path, "ep2-stock", make_log())
+    write(tmp_path, "ep2-fsep", make_log(stop=7) + TRACEBACK, rc="1")
+    write(tmp_path, "ep2dist-ultraep", make_log())  # a group without its stock run
+    assert run_table(tmp_path).returncode == 0
+    proc = run_table(tmp_path, "--strict")
+    assert proc.returncode == 1
+    assert "* ep2-fsep failed: RuntimeError: ProcessGroupGloo::alltoall_base" in proc.stdout
+    assert "* ep2dist: no stock run" in proc.stdout
+
+
+def test_balance_column(tmp_path):
+    def with_balance(before, after):
+        values = iter(zip(before, after))
+        lines = []
+        for line in make_log(iters=len(before)).splitlines():
+            if plt.ITER_RE.search(line):
+                b, a = next(values)
+                line = line.replace(" loss scale:", f" rails_max_over_mean_before: {b:.6E} | "
+                                                    f"rails_max_over_mean_after: {a:.6E} | loss scale:")
+            lines.append(line)
+        return "\n".join(lines) + "\n"
+
+    write(tmp_path, "ep2-stock", make_log(iters=5))
+    # medians over iterations: before (1.1, 1.3, 1.2, 1.5, 1.4) -> 1.3, after (1.0, 1.02, 1.01, 1.0, 1.0) -> 1.0
+    write(tmp_path, "ep2-ultraep", with_balance([1.1, 1.3, 1.2, 1.5, 1.4], [1.0, 1.02, 1.01, 1.0, 1.0]))
+    proc = run_table(tmp_path)
+    assert proc.returncode == 0, proc.stdout
+    rows = {line.split(" | ")[0][2:]: line for line in proc.stdout.splitlines() if line.startswith("| ep2")}
+    assert "| 1.300 → 1.000 |" in rows["ep2-ultraep"]
+    assert rows["ep2-stock"].split(" | ")[5] == "–"  # no dispatcher figures in a stock log

@@ -1,0 +1,170 @@
+"""Run Megatron-LM's own training script on CPU ranks, for checks: its training loop (schedules, DDP,
+the distributed optimizer, the optimizer step, logging) exactly as written, with every CUDA placement
+answered by the CPU.
+
+    torchrun --nproc-per-node N scripts/megatron_lm_cpu.py MEGATRON_LM_DIR/pretrain_gpt.py \
+        [Megatron-LM args] --distributed-backend gloo [--moe-balancer POLICY]
+
+The script runs through the megatron-rails launcher (`python -m megatron_rails.launch`), with or without
+the project's flags, against the Megatron-LM checkout it lives in (its megatron.core first on the path).
+It is a checking tool, not a way to train: Megatron-LM asserts CUDA and puts its tensors on "cuda"
+throughout, so here, for the whole process,
+* tensors and modules that Megatron puts on "cuda" (`device="cuda"`, a device index, `.cuda()`,
+  `.to("cuda")`) stay on the CPU (a torch function mode); `pin_memory` is dropped;
+* `torch.cuda` answers: available, one device, no-op set_device / synchronize / empty_cache, streams
+  and events that do nothing (events time with the host clock), zero memory statistics, an empty RNG
+  state (the CPU generator, forked by megatron_rails' CPU shims, drives the CPU ops);
+* a CPU tensor's `.type()` reads `torch.cuda.*Tensor` (the gradient clipping asserts it);
+* a pipeline `isend` sends a copy of its tensor taken at the call (what stream order gives on CUDA);
+* `megatron.legacy.fused_kernels.load` (an nvcc version probe) does nothing, and torch.compile is off
+  (TORCHDYNAMO_DISABLE: Megatron compiles a few fused functions, for CUDA).
+megatron-core 0.16.1's alltoall dispatcher cannot run on more than one CPU rank: it keeps its split
+sizes as tensors unless they are on CUDA, which `all_to_all_single` refuses. Stock runs with expert
+parallelism use Megatron's allgather dispatcher here (scripts/cpu_pretrain_check.sh).
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import time
+
+os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")  # read when torch._dynamo is first imported
+
+import torch  # noqa: E402
+from torch.overrides import TorchFunctionMode  # noqa: E402
+
+
+def _on_cuda(device) -> bool:
+    """Whether a device argument names a CUDA device (an int is a CUDA index in torch's factories)."""
+    if isinstance(device, bool):
+        return False
+    if isinstance(device, int):
+        return True
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    return isinstance(device, torch.device) and device.type == "cuda"
+
+
+class CudaOnCpu(TorchFunctionMode):
+    """Every torch call with a CUDA device gets the CPU instead."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        name = getattr(func, "__name__", "")
+        if name == "cuda":  # Tensor.cuda(...)
+            return args[0]
+        if name == "type" and len(args) == 1 and not kwargs:  # the type string, as on CUDA
+            return func(*args).replace("torch.", "torch.cuda.", 1)
+        if _on_cuda(kwargs.get("device")):
+            kwargs["device"] = "cpu"
+        if name == "to":
+            args = tuple("cpu" if _on_cuda(a) else a for a in args)
+        if kwargs.get("pin_memory"):
+            kwargs["pin_memory"] = False
+        return func(*args, **kwargs)
+
+
+class _Event:
+    def __init__(self, *args, **kwargs):
+        self.t = 0.0
+
+    def record(self, *args, **kwargs):
+        self.t = time.perf_counter()
+
+    def elapsed_time(self, end) -> float:
+        return (end.t - self.t) * 1e3
+
+    def synchronize(self, *args, **kwargs):
+        pass
+
+    def wait(self, *args, **kwargs):
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+class _Stream:
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, *args, **kwargs):
+        pass
+
+    def wait_event(self, *args, **kwargs):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def record_event(self, *args, **kwargs):
+        event = _Event()
+        event.record()
+        return event
+
+
+def _nothing(*args, **kwargs):
+    return None
+
+
+def _zero(*args, **kwargs):
+    return 0
+
+
+def cuda_on_cpu() -> None:
+    """Install the mapping for the rest of the process."""
+    from megatron_rails.megatron import cpu_shims
+
+    cpu_shims.apply()  # while torch still says no CUDA: it installs only then
+    c = torch.cuda
+    for name, value in {
+        "is_available": lambda: True, "device_count": lambda: 1, "set_device": _nothing,
+        "synchronize": _nothing, "empty_cache": _nothing, "memory_stats": lambda *a, **k: {},
+        "memory_allocated": _zero, "max_memory_allocated": _zero, "memory_reserved": _zero,
+        "max_memory_reserved": _zero, "device_memory_used": _zero, "reset_peak_memory_stats": _nothing,
+        "Stream": _Stream, "Event": _Event, "current_stream": lambda *a, **k: _Stream(),
+        "default_stream": lambda *a, **k: _Stream(), "stream": lambda *a, **k: contextlib.nullcontext(),
+        "get_device_capability": lambda *a, **k: (9, 0),
+        "get_rng_state": lambda *a, **k: torch.empty(0, dtype=torch.uint8), "set_rng_state": _nothing,
+        "manual_seed": _nothing, "manual_seed_all": _nothing,
+    }.items():
+        setattr(c, name, value)
+    try:  # Megatron-LM's, not in the megatron-core package
+        import megatron.legacy.fused_kernels as fused_kernels
+    except ImportError:
+        pass
+    else:
+        fused_kernels.load = _nothing
+    torch.distributed.isend = _isend_a_copy
+    CudaOnCpu().__enter__()
+
+
+_isend = torch.distributed.isend
+
+
+def _isend_a_copy(tensor, *args, **kwargs):
+    """isend of a copy taken now. On CUDA a send reads its tensor in stream order, before any later
+    kernel; the pipeline schedules free a sent activation's storage right after an isend they do not
+    wait for (`deallocate_output_tensor`, interleaved schedules overlapping their p2p), which on gloo's
+    thread could then send freed memory (NaN losses in a 2-stage interleaved run, not reproducible)."""
+    return _isend(tensor.detach().clone(), *args, **kwargs)
+
+
+def main(argv: list[str]) -> int:
+    if not argv or argv[0].startswith("-"):
+        print("usage: torchrun ... scripts/megatron_lm_cpu.py MEGATRON_LM_DIR/pretrain_gpt.py [ARGS...]",
+              file=sys.stderr)
+        return 2
+    checkout = os.path.dirname(os.path.abspath(argv[0]))
+    os.environ.setdefault("MEGATRON_LM_DIR", checkout)
+    sys.path.insert(0, checkout)  # the checkout's megatron.core, as under `python pretrain_gpt.py`
+    sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # megatron_rails
+    cuda_on_cpu()
+    from megatron_rails.launch import main as launch
+
+    return launch(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
