@@ -13,7 +13,12 @@ throughout, so here, for the whole process,
   `.to("cuda")`) stay on the CPU (a torch function mode); `pin_memory` is dropped;
 * `torch.cuda` answers: available, one device, no-op set_device / synchronize / empty_cache, streams
   and events that do nothing (events time with the host clock), zero memory statistics, an empty RNG
-  state (the CPU generator, forked by megatron_rails' CPU shims, drives the CPU ops);
+  state;
+* Megatron's RNG tracker keeps one CPU generator state per name, seeded as asked, swapped in by
+  `fork()` and saved back, advanced, on exit: what it does with CUDA states. Every weight Megatron
+  initializes inside a fork (the experts' among them: seeded per EP rank) is then drawn afresh; with a
+  fork that restored one state each time, every expert of a layer would start identical and a token
+  sent to the wrong expert could not change the loss;
 * a CPU tensor's `.type()` reads `torch.cuda.*Tensor` (the gradient clipping asserts it);
 * a pipeline `isend` sends a copy of its tensor taken at the call (what stream order gives on CUDA);
 * `megatron.legacy.fused_kernels.load` (an nvcc version probe) does nothing, and torch.compile is off
@@ -130,14 +135,45 @@ def cuda_on_cpu() -> None:
         "manual_seed": _nothing, "manual_seed_all": _nothing,
     }.items():
         setattr(c, name, value)
+    from megatron.core.tensor_parallel import random as mp_random
+
+    mp_random.CudaRNGStatesTracker.add = _tracker_add
+    mp_random.CudaRNGStatesTracker.fork = _tracker_fork
     try:  # Megatron-LM's, not in the megatron-core package
         import megatron.legacy.fused_kernels as fused_kernels
     except ImportError:
         pass
     else:
         fused_kernels.load = _nothing
-    torch.distributed.isend = _isend_a_copy
+    # batch_isend_irecv reads isend from distributed_c10d: both names
+    torch.distributed.isend = torch.distributed.distributed_c10d.isend = _isend_a_copy
     CudaOnCpu().__enter__()
+
+
+def _tracker_add(self, name: str, seed: int) -> None:
+    """CudaRNGStatesTracker.add on the CPU generator: the named state seeded with `seed`."""
+    self._is_initialized = True
+    if seed in self.seeds_:
+        raise Exception(f"seed {seed} already exists")
+    self.seeds_.add(seed)
+    if name in self.states_:
+        raise Exception(f"rng state {name} already exists")
+    self.states_[name] = torch.Generator().manual_seed(seed).get_state()
+
+
+@contextlib.contextmanager
+def _tracker_fork(self, name: str = "model-parallel-rng"):
+    """CudaRNGStatesTracker.fork on the CPU generator: the named state in, then saved back (advanced)
+    and the state before restored; nested forks nest."""
+    if name not in self.states_:
+        raise Exception(f"rng state {name} is not added")
+    outer = torch.get_rng_state()
+    torch.set_rng_state(self.states_[name])
+    try:
+        yield
+    finally:
+        self.states_[name] = torch.get_rng_state()
+        torch.set_rng_state(outer)
 
 
 _isend = torch.distributed.isend

@@ -30,7 +30,8 @@
 #
 # Environment knobs: DEVICE (cuda), RUN_GROUPS (cuda: "ep1 ep2", or from WORLDS "1 2"; cpu: "ep2 ep2dist
 # ep4rails ep2pp2 ep2ckpt"), POLICIES ("none eplb fsep ultraep lp", cpu: and "default", the shipped default config),
-# ITERS (cuda 50, cpu 20), ACCUM (microbatches per iteration: cuda 1, cpu 4), EXTRA_ARGS (appended to
+# ITERS (cuda 50, cpu 20), ACCUM (microbatches per iteration: cuda 1, cpu 4; a pipeline group takes
+# the next multiple of its stages), EXTRA_ARGS (appended to
 # every run's arguments), PYTHON (python3), RUN_TIMEOUT (150 s per run; cpu 600),
 # DETERMINISTIC (1: --deterministic-mode), PRINT_ONLY=1 (print each run's command line and exit), SITE
 # (/tmp/gpu_check_site: where wheels carried in .whl/ are unpacked), PORT_BASE (29400), SETUP_ONLY=1
@@ -64,7 +65,10 @@ PRINT_ONLY=${PRINT_ONLY:-0}
 SITE=${SITE:-/tmp/gpu_check_site}
 MICRO=4
 
-log() { echo "[$NAME $(date +%H:%M:%S)] $*" | tee -a "$OUT/script.log"; }
+log() {  # under PRINT_ONLY=1 to stderr only: stdout is one command line per run
+  if [ "$PRINT_ONLY" = 1 ]; then echo "[$NAME $(date +%H:%M:%S)] $*" >&2; return; fi
+  echo "[$NAME $(date +%H:%M:%S)] $*" | tee -a "$OUT/script.log"
+}
 
 # -- the model and training arguments (the same for every run) -------------------------------------------
 # the model: on CPU a smaller one (one core per rank: a step of the GPU's model takes ~10 s there)
@@ -112,7 +116,7 @@ run_one() {  # NAME WORLD EP DP [EXTRA ARGS...] (DP: data-parallel size of the d
   local cmd=(timeout -k 15 "$RUN_TIMEOUT" "$PY" -m torch.distributed.run --nnodes 1 --nproc-per-node "$world"
              --master-addr 127.0.0.1 --master-port "$PORT"
              "${entry[@]}" "$MLM/pretrain_gpt.py" "${COMMON[@]}"
-             --global-batch-size $((MICRO * dp * ACCUM)) --distributed-backend "$backend"
+             --global-batch-size $((MICRO * dp * ${accum:-$ACCUM})) --distributed-backend "$backend"
              --expert-model-parallel-size "$ep" ${extra[@]+"${extra[@]}"} "$@")
   if [ "$PRINT_ONLY" = 1 ]; then
     printf '%s' "$name"; printf ' %q' "${cmd[@]}"; printf '\n'
@@ -220,33 +224,57 @@ group_size() {  # GROUP KIND -> the number after KIND in the group's name (ep2pp
   [ "$rest" = "$1" ] && { echo 1; return; }
   rest=${rest%%[!0-9]*}; echo "${rest:-0}"
 }
-group_args() {  # GROUP -> Megatron-LM arguments of every run in the group
-  local args=()
-  [[ $1 == *dist* ]] && args+=(--use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather)
-  # pipeline stages, each of two interleaved virtual stages of one layer: microbatches interleave
-  [[ $1 == *pp* ]] && args+=(--pipeline-model-parallel-size "$(group_size "$1" pp)" \
-                             --num-layers $((2 * $(group_size "$1" pp))) --num-layers-per-virtual-pipeline-stage 1)
-  echo ${args[@]+"${args[@]}"}
+set_group_args() {  # GROUP -> gargs: the Megatron-LM arguments of every run in the group
+  gargs=()
+  if [[ $1 == *dist* ]]; then
+    gargs+=(--use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather)
+  fi
+  if [[ $1 == *pp* ]]; then  # pipeline stages of two interleaved virtual stages of one layer each
+    local pp; pp=$(group_size "$1" pp)
+    gargs+=(--pipeline-model-parallel-size "$pp" --num-layers $((2 * pp)) --num-layers-per-virtual-pipeline-stage 1)
+  fi
 }
-policy_args() {  # GROUP POLICY -> the megatron-rails flags of that run
+set_policy_args() {  # GROUP POLICY -> pargs: the megatron-rails flags of that run
   local group=$1 policy=$2 file
   if [[ $group == *rails* ]]; then
     # RailS on 2 virtual nodes (ranks_per_node = half the group), spraying at any imbalance, dedup on
     file=$OUT/policy-$group-$policy.yaml
     printf 'policy: %s\ncomm: rails\nranks_per_node: %s\nrails_tolerance: 0\ndedup: true\n' \
       "$policy" $(( $(group_size "$group" ep) / 2 )) > "$file"
-    echo --rails-config "$file"
+    pargs=(--rails-config "$file")
   elif [ "$policy" = default ]; then
-    echo --rails-config "$REPO/megatron_rails/presets/policies/default.yaml"
+    pargs=(--rails-config "$REPO/megatron_rails/presets/policies/default.yaml")
   else
-    echo --moe-balancer "$policy"
+    pargs=(--moe-balancer "$policy")
   fi
+}
+group_policies() {  # GROUP -> the policies its runs use (over RailS the shipped default is the fsep run)
+  local policy
+  for policy in $POLICIES; do
+    [[ $1 == *rails* && $policy == default ]] || printf '%s ' "$policy"
+  done
+}
+mark_skipped() {  # GROUP: its stock run failed; a marker for each run that is not made
+  local group=$1 policy names
+  for policy in $(group_policies "$group"); do
+    names=("$group-$policy")
+    [[ $group == *ckpt* ]] && names=("$group-${policy}_saves" "$group-${policy}_loads")
+    for name in "${names[@]}"; do
+      echo "skipped: $group-stock failed (see $group-stock.log)" > "$OUT/$name.log"
+      echo skipped > "$OUT/$name.rc"
+    done
+  done
+  log "$group-stock failed: the $group policy runs are skipped (GLOO_RUN_ALL=1 runs them anyway)"
 }
 run_resumed() {  # NAME WORLD EP: ${first[@]} to iteration ITERS/2 (saving), then ${second[@]} to ITERS
   local name=$1 world=$2 ep=$3 rc=0
   mkdir -p "$OUT/phases"
   run_one "phases/$name.1" "$world" "$ep" "$ep" "${first[@]}" || rc=$?
-  run_one "phases/$name.2" "$world" "$ep" "$ep" "${second[@]}" || rc=$?
+  if [ "$rc" = 0 ] || [ "$PRINT_ONLY" = 1 ]; then
+    run_one "phases/$name.2" "$world" "$ep" "$ep" "${second[@]}" || rc=$?
+  else
+    echo "skipped: phases/$name.1 failed (exit $rc): nothing saved to resume from" > "$OUT/phases/$name.2.log"
+  fi
   [ "$PRINT_ONLY" = 1 ] && return 0
   cat "$OUT/phases/$name.1.log" "$OUT/phases/$name.2.log" > "$OUT/$name.log"
   echo "$rc" > "$OUT/$name.rc"
@@ -255,33 +283,39 @@ run_resumed() {  # NAME WORLD EP: ${first[@]} to iteration ITERS/2 (saving), the
 check_checkpoints() {  # GROUP WORLD EP: checkpoints (Megatron-LM's default format, torch_dist) across policies
   # stock: to ITERS/2, saved, resumed to ITERS (the reference); <policy>_saves: the policy to ITERS/2,
   # saved, stock resumes from its checkpoint; <policy>_loads: the policy resumes from stock's checkpoint.
-  # Equal losses: the policy saves and loads the stock layout and values (fsep holds only shards).
+  # Equal losses: the policy saves and loads the stock layout and values (fsep holds only shards). A
+  # resume that finds no checkpoint exits (--exit-on-missing-checkpoint) instead of training afresh.
   local group=$1 world=$2 ep=$3 half=$((ITERS / 2)) policy
-  local save=(--save-interval "$half" --exit-interval "$half")
-  read -r -a gargs <<< "$(group_args "$group")"
-  first=(${gargs[@]+"${gargs[@]}"} ${stock[@]+"${stock[@]}"} --save "$OUT/ckpt/stock" "${save[@]}")
-  second=(${gargs[@]+"${gargs[@]}"} ${stock[@]+"${stock[@]}"} --load "$OUT/ckpt/stock")
-  if ! run_resumed "$group-stock" "$world" "$ep" && [ "${GLOO_RUN_ALL:-0}" != 1 ]; then
-    log "$group-stock failed: the $group policy runs are skipped (GLOO_RUN_ALL=1 runs them anyway)"
-    return
+  if [ "$half" -lt 1 ]; then
+    log "group $group: ITERS=$ITERS leaves no iteration to save at (ITERS / 2 = 0): skipped"; return
   fi
-  for policy in $POLICIES; do
-    read -r -a pargs <<< "$(policy_args "$group" "$policy")"
+  [ "$PRINT_ONLY" = 1 ] || rm -rf "$OUT/ckpt"   # no checkpoint of an earlier run may be resumed
+  local save=(--save-interval "$half" --exit-interval "$half") load=(--exit-on-missing-checkpoint --load)
+  first=(${gargs[@]+"${gargs[@]}"} ${stock[@]+"${stock[@]}"} --save "$OUT/ckpt/stock" "${save[@]}")
+  second=(${gargs[@]+"${gargs[@]}"} ${stock[@]+"${stock[@]}"} "${load[@]}" "$OUT/ckpt/stock")
+  if ! run_resumed "$group-stock" "$world" "$ep" && [ "${GLOO_RUN_ALL:-0}" != 1 ]; then
+    mark_skipped "$group"; return
+  fi
+  for policy in $(group_policies "$group"); do
+    set_policy_args "$group" "$policy"
     first=(${gargs[@]+"${gargs[@]}"} "${pargs[@]}" --save "$OUT/ckpt/$policy" "${save[@]}")
-    second=(${gargs[@]+"${gargs[@]}"} ${stock[@]+"${stock[@]}"} --load "$OUT/ckpt/$policy")
+    second=(${gargs[@]+"${gargs[@]}"} ${stock[@]+"${stock[@]}"} "${load[@]}" "$OUT/ckpt/$policy")
     run_resumed "$group-${policy}_saves" "$world" "$ep"
     run_one "$group-${policy}_loads" "$world" "$ep" "$ep" ${gargs[@]+"${gargs[@]}"} "${pargs[@]}" \
-      --load "$OUT/ckpt/stock"
+      "${load[@]}" "$OUT/ckpt/stock"
   done
 }
+GROUP_RE='^ep[0-9]+(pp[0-9]+)?(dist)?(rails)?(ckpt)?$'
 for group in $RUN_GROUPS; do
   ep=$(group_size "$group" ep); pp=$(group_size "$group" pp)
-  if [[ $group != ep* ]] || ! [ "$ep" -ge 1 ] 2>/dev/null || ! [ "$pp" -ge 1 ] 2>/dev/null; then
+  if ! [[ $group =~ $GROUP_RE ]] || [ "$ep" -lt 1 ] || [ "$pp" -lt 1 ]; then
     log "group $group: not ep<N>[pp<M>][dist][rails][ckpt] (e.g. ep2, ep2dist, ep4rails, ep2pp2, ep2ckpt): skipped"
     continue
   fi
   world=$((ep * pp))
-  read -r -a gargs <<< "$(group_args "$group")"
+  # an interleaved pipeline schedule needs its microbatches in multiples of the stages
+  accum=$(( (ACCUM + pp - 1) / pp * pp ))
+  set_group_args "$group"
   stock=()
   # megatron-core's alltoall dispatcher keeps its split sizes as CPU tensors, which all_to_all_single
   # refuses (scripts/megatron_lm_cpu.py): stock runs with several CPU ranks use the allgather one
@@ -292,18 +326,12 @@ for group in $RUN_GROUPS; do
   fi
   if run_one "$group-stock" "$world" "$ep" "$ep" ${gargs[@]+"${gargs[@]}"} ${stock[@]+"${stock[@]}"} \
       || { [ "$world" = 1 ] && [ "$DEVICE" = cuda ]; } || [ "${GLOO_RUN_ALL:-0}" = 1 ]; then
-    for policy in $POLICIES; do
-      # over RailS the shipped default (fsep, RailS) is the group's fsep run
-      [[ $group == *rails* && $policy == default ]] && continue
-      read -r -a pargs <<< "$(policy_args "$group" "$policy")"
+    for policy in $(group_policies "$group"); do
+      set_policy_args "$group" "$policy"
       run_one "$group-$policy" "$world" "$ep" "$ep" ${gargs[@]+"${gargs[@]}"} "${pargs[@]}"
     done
   else
-    log "$group-stock failed: the $group policy runs are skipped (GLOO_RUN_ALL=1 runs them anyway)"
-    for policy in $POLICIES; do
-      echo "skipped: $group-stock failed (see $group-stock.log)" > "$OUT/$group-$policy.log"
-      echo skipped > "$OUT/$group-$policy.rc"
-    done
+    mark_skipped "$group"
   fi
 done
 [ "$PRINT_ONLY" = 1 ] && exit 0

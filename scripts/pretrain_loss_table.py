@@ -15,7 +15,7 @@ logged iteration:
 
 Prints the table and writes OUTDIR/table.md. Exit status 1 when a run's lm loss differs from its stock run's
 by more than --tol at some iteration, or when a run of a one-rank group (`ep1-*`) failed (with --strict: any
-run); 0 otherwise. Where the log has them, the table also gives the dispatcher's max/mean tokens per EP rank
+run), or when a run named `*_loads` (a resume from a checkpoint) logged iteration 1; 0 otherwise. Where the log has them, the table also gives the dispatcher's max/mean tokens per EP rank
 under the stock placement and under the plan (medians over iterations).
 """
 from __future__ import annotations
@@ -176,6 +176,10 @@ def compare(runs: list[Run], tol: float, skip: int, strict: bool = False) -> tup
             status = f"FAILED: {run.error}"
             if strict or run.group in ONE_RANK_GROUPS:
                 problems.append(f"{run.name} failed: {run.error}")
+        if run.policy.endswith("_loads") and run.losses and min(run.losses) == 1:
+            # resumed from a checkpoint, it must start after the saved iteration, not train afresh
+            problems.append(f"{run.name} logged iteration 1: it did not resume from a checkpoint")
+            status = "NOT RESUMED"
         if run is not base and base is not None and not base.failed and run.losses:
             common = sorted(set(run.losses) & set(base.losses))
             if common:

@@ -58,8 +58,9 @@ def test_cpu_runs(tmp_path):
             if phase == "1":
                 assert value(cmd, "--save") == str(ckpt / saver) and "--load" not in cmd
                 assert value(cmd, "--exit-interval") == value(cmd, "--save-interval") == "10"
-            else:
+            else:  # a resume that finds no checkpoint must not train afresh
                 assert value(cmd, "--load") == str(ckpt / saver) and "--save" not in cmd
+                assert "--exit-on-missing-checkpoint" in cmd
             if phase == "2" and role != "loads":
                 policy = "stock"  # stock resumes from the policy's checkpoint
         ep, pp = {"ep4rails": (4, 1), "ep2pp2": (2, 2)}.get(group, (2, 1))
@@ -137,6 +138,24 @@ start.record(); time.sleep(0.01); end.record(); end.synchronize()
 checks["event"] = start.elapsed_time(end) >= 10.0
 with torch.cuda.stream(torch.cuda.Stream()):
     checks["stream"] = torch.cuda.current_stream() is not None
+# Megatron's RNG tracker: a CPU state per name that forks advance (weights drawn in forks differ)
+from megatron.core.tensor_parallel import random as mp_random
+tracker = mp_random.CudaRNGStatesTracker()
+tracker.add("a", 1); tracker.add("b", 2)
+outer = torch.get_rng_state()
+with tracker.fork("a"):
+    a1 = torch.randn(4)
+with tracker.fork("a"):
+    a2 = torch.randn(4)
+with tracker.fork("b"):
+    b1 = torch.randn(4)
+    with tracker.fork("a"):
+        a3 = torch.randn(4)
+    b2 = torch.randn(4)
+checks["fork restores"] = torch.equal(torch.get_rng_state(), outer)
+checks["named streams"] = (torch.equal(torch.cat([a1, a2, a3]), torch.randn(12, generator=torch.Generator().manual_seed(1)))
+                           and torch.equal(torch.cat([b1, b2]), torch.randn(8, generator=torch.Generator().manual_seed(2))))
+checks["isend"] = torch.distributed.distributed_c10d.isend is torch.distributed.isend is megatron_lm_cpu._isend_a_copy
 print(sorted(k for k, ok in checks.items() if not ok))
 """
 
@@ -166,3 +185,40 @@ def test_real_pretrain_gpt_on_cpu_ranks(tmp_path):
     for name in ("ep2-ultraep", "ep2-fsep"):
         assert runs[name].losses == stock.losses and runs[name].grad_norms == stock.grad_norms, name
         assert runs[name].balance[1] is not None  # the dispatcher's figures reached Megatron's log
+
+
+def test_group_names_paths_and_pipeline_microbatches(tmp_path):
+    out = tmp_path / "out dir"  # a space in OUTDIR: one argument per path all the same
+    mlm = tmp_path / "mlm"
+    mlm.mkdir()
+    (mlm / "pretrain_gpt.py").write_text("")
+    proc = subprocess.run(["bash", str(SCRIPTS / "cpu_pretrain_check.sh"), str(mlm), str(out)], capture_output=True,
+                          text=True, timeout=60, env={**os.environ, "PRINT_ONLY": "1", "POLICIES": "lp",
+                                                      "RUN_GROUPS": "ep4rail ep2x ep4rails ep2pp2"})
+    assert proc.returncode == 0, proc.stderr
+    runs = {line.split()[0]: shlex.split(line)[1:] for line in proc.stdout.splitlines()}
+    assert list(runs) == ["ep4rails-stock", "ep4rails-lp", "ep2pp2-stock", "ep2pp2-lp"]  # stdout: commands only
+    for typo in ("ep4rail", "ep2x"):  # a misspelt group is named and skipped, not run as plain EP
+        assert f"group {typo}: not ep<N>" in proc.stderr
+    assert value(runs["ep4rails-lp"], "--rails-config") == str(out / "policy-ep4rails-lp.yaml")
+    # on CUDA (1 microbatch per iteration by default) a 2-stage interleaved pipeline gets 2
+    cuda = print_only("gpu_pretrain_check.sh", tmp_path, RUN_GROUPS="ep2pp2", POLICIES="lp")
+    assert int(value(cuda["ep2pp2-lp"], "--global-batch-size")) == 4 * 2 * 2
+
+
+def test_failed_stock_run_skips_its_group(tmp_path):
+    mlm = tmp_path / "mlm"
+    (mlm / "megatron/core/datasets").mkdir(parents=True)
+    (mlm / "pretrain_gpt.py").write_text("")
+    out = tmp_path / "out"
+    # every run fails at once (PYTHON=false): the stock runs fail, each group's other runs get markers
+    proc = subprocess.run(["bash", str(SCRIPTS / "cpu_pretrain_check.sh"), str(mlm), str(out)], capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "PYTHON": "false", "POLICIES": "fsep default",
+                                                      "RUN_GROUPS": "ep4rails ep2ckpt"})
+    assert proc.returncode != 0
+    rcs = {p.stem: p.read_text().strip() for p in out.glob("*.rc")}
+    assert rcs == {"ep4rails-stock": "1", "ep4rails-fsep": "skipped", "ep2ckpt-stock": "1",
+                   "ep2ckpt-fsep_saves": "skipped", "ep2ckpt-fsep_loads": "skipped",
+                   "ep2ckpt-default_saves": "skipped", "ep2ckpt-default_loads": "skipped"}
+    # the stock run's second phase is not attempted without a saved checkpoint
+    assert (out / "phases/ep2ckpt-stock.2.log").read_text().startswith("skipped: phases/ep2ckpt-stock.1 failed")

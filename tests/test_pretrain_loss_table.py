@@ -245,3 +245,15 @@ def test_balance_column(tmp_path):
     rows = {line.split(" | ")[0][2:]: line for line in proc.stdout.splitlines() if line.startswith("| ep2")}
     assert "| 1.300 → 1.000 |" in rows["ep2-ultraep"]
     assert rows["ep2-stock"].split(" | ")[5] == "–"  # no dispatcher figures in a stock log
+
+
+def test_a_resume_that_trained_afresh_fails(tmp_path):
+    write(tmp_path, "ep2ckpt-stock", make_log(iters=20))
+    resumed = "\n".join(line for line in make_log(iters=20).splitlines()
+                        if not (plt.ITER_RE.search(line) and int(plt.ITER_RE.search(line).group(1)) <= 10))
+    write(tmp_path, "ep2ckpt-fsep_loads", resumed + "\n")
+    assert run_table(tmp_path, "--strict").returncode == 0
+    # iterations 1..20, equal to stock's: trained from scratch instead of loading the checkpoint
+    write(tmp_path, "ep2ckpt-lp_loads", make_log(iters=20))
+    proc = run_table(tmp_path, "--strict")
+    assert proc.returncode == 1 and "ep2ckpt-lp_loads logged iteration 1: it did not resume" in proc.stdout
