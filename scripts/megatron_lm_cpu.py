@@ -25,7 +25,9 @@ throughout, so here, for the whole process,
   (TORCHDYNAMO_DISABLE: Megatron compiles a few fused functions, for CUDA).
 megatron-core 0.16.1's alltoall dispatcher cannot run on more than one CPU rank: it keeps its split
 sizes as tensors unless they are on CUDA, which `all_to_all_single` refuses. Stock runs with expert
-parallelism use Megatron's allgather dispatcher here (scripts/cpu_pretrain_check.sh).
+parallelism use Megatron's allgather dispatcher here (scripts/cpu_pretrain_check.sh). With
+PRETRAIN_UNCOALESCED=1 Megatron DDP's bucket collectives also run one by one, as
+scripts/megatron_lm_gloo.py has them on a GPU.
 """
 from __future__ import annotations
 
@@ -187,20 +189,16 @@ def _isend_a_copy(tensor, *args, **kwargs):
     return _isend(tensor.detach().clone(), *args, **kwargs)
 
 
-def main(argv: list[str]) -> int:
-    if not argv or argv[0].startswith("-"):
-        print("usage: torchrun ... scripts/megatron_lm_cpu.py MEGATRON_LM_DIR/pretrain_gpt.py [ARGS...]",
-              file=sys.stderr)
-        return 2
-    checkout = os.path.dirname(os.path.abspath(argv[0]))
-    os.environ.setdefault("MEGATRON_LM_DIR", checkout)
-    sys.path.insert(0, checkout)  # the checkout's megatron.core, as under `python pretrain_gpt.py`
-    sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # megatron_rails
+def _prepare() -> None:
     cuda_on_cpu()
-    from megatron_rails.launch import main as launch
+    if os.environ.get("PRETRAIN_UNCOALESCED") == "1":  # what scripts/megatron_lm_gloo.py does on GPUs
+        from megatron_lm_gloo import uncoalesced
 
-    return launch(argv)
+        uncoalesced()
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    from megatron_lm_gloo import launch  # beside this file: sys.path[0]
+
+    sys.exit(launch(sys.argv[1:], _prepare,
+                    "usage: torchrun ... scripts/megatron_lm_cpu.py MEGATRON_LM_DIR/pretrain_gpt.py [ARGS...]"))

@@ -9,7 +9,8 @@
 #
 # Groups (RUN_GROUPS; a group's runs are compared with its stock run):
 #   ep1        one rank (cuda: NCCL; cpu: gloo)
-#   ep2, ep4   2 / 4 ranks, gloo, expert parallelism over all of them (cuda: all on the one GPU)
+#   ep2, ep4   2 / 4 ranks, gloo, expert parallelism over all of them (cuda: all on the one GPU, through
+#              scripts/megatron_lm_gloo.py: Megatron DDP's coalesced bucket collectives one by one)
 #   ep2dist    ep2 with --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather
 #   ep4rails   ep4 with every policy over RailS on 2 virtual nodes of 2 ranks (rails_tolerance 0: it
 #              always sprays; dedup on), from a policy file written to OUTDIR
@@ -34,9 +35,10 @@
 # the next multiple of its stages), EXTRA_ARGS (appended to
 # every run's arguments), PYTHON (python3), RUN_TIMEOUT (150 s per run; cpu 600),
 # DETERMINISTIC (1: --deterministic-mode), PRINT_ONLY=1 (print each run's command line and exit), SITE
-# (/tmp/gpu_check_site: where wheels carried in .whl/ are unpacked), PORT_BASE (29400), SETUP_ONLY=1
+# (/tmp/gpu_check_site: where wheels carried in .whl/ are unpacked; cuda only), PORT_BASE (29400), SETUP_ONLY=1
 # (unpack, build Megatron's dataset helpers, then exit: before instances run side by side),
-# GLOO_RUN_ALL=1 (run a group's policy runs even when its stock run failed).
+# GLOO_RUN_ALL=1 (run a group's policy runs even when its stock run failed), PRETRAIN_UNCOALESCED=1 (cpu:
+# Megatron DDP's bucket collectives one by one, as scripts/megatron_lm_gloo.py has them on a GPU).
 set -u
 
 DEVICE=${DEVICE:-cuda}
@@ -109,8 +111,9 @@ run_one() {  # NAME WORLD EP DP [EXTRA ARGS...] (DP: data-parallel size of the d
   else
     # all ranks on cuda:0: Megatron-LM core_v0.16 does torch.cuda.set_device(args.local_rank), and
     # --local-rank defaults to $LOCAL_RANK (1 on the second rank): pass 0 explicitly. NCCL refuses two
-    # ranks on one GPU, hence gloo.
-    extra+=(--local-rank 0)
+    # ranks on one GPU, hence gloo, and gloo has no CUDA coalesced all-reduce, which Megatron DDP
+    # issues per bucket group: scripts/megatron_lm_gloo.py issues those collectives one by one
+    extra+=(--local-rank 0); entry=("$REPO/scripts/megatron_lm_gloo.py")
   fi
   PORT=$((PORT + 1))
   local cmd=(timeout -k 15 "$RUN_TIMEOUT" "$PY" -m torch.distributed.run --nnodes 1 --nproc-per-node "$world"
@@ -149,7 +152,8 @@ if [ "$PRINT_ONLY" != 1 ]; then
   log "repo $REPO, Megatron-LM $MLM, out $OUT, $ITERS iterations, timeout $RUN_TIMEOUT s per run"
 
   # -- Python path: megatron_rails from the repo, megatron.core/.training from the checkout --------------
-  if compgen -G "$REPO/.whl/*.whl" > /dev/null; then
+  # (wheels carried to a GPU machine for its Python; on CPU this Python's own packages serve)
+  if [ "$DEVICE" = cuda ] && compgen -G "$REPO/.whl/*.whl" > /dev/null; then
     mkdir -p "$SITE"
     # A wheel is a zip: unpacking it is what `pip install --no-deps --target` does (no pip needed). Only the
     # modules this Python lacks, since $SITE comes before site-packages; typing_extensions always (pydantic

@@ -12,7 +12,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+import torch.distributed as dist
 import yaml
+from moe_harness import spawn
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = ROOT / "scripts"
@@ -99,7 +102,11 @@ def test_gpu_runs(tmp_path):
     assert list(runs) == [f"ep{w}-{p}" for w in (1, 2) for p in policies]
     for name, cmd in runs.items():
         world = int(name[2])
-        assert cmd[cmd.index("-m", cmd.index("--master-port")) + 1] == "megatron_rails.launch"
+        entry = cmd.index("--master-port") + 2
+        if world == 1:  # the launcher itself
+            assert cmd[entry:entry + 2] == ["-m", "megatron_rails.launch"]
+        else:  # two ranks on one GPU over gloo: DDP's bucket collectives uncoalesced
+            assert cmd[entry] == str(SCRIPTS / "megatron_lm_gloo.py") and "megatron_rails.launch" not in cmd
         assert value(cmd, "--distributed-backend") == ("nccl" if world == 1 else "gloo")
         assert ("--local-rank" in cmd) == (world == 2)  # both ranks on cuda:0
         assert int(value(cmd, "--global-batch-size")) == 4 * world
@@ -222,3 +229,33 @@ def test_failed_stock_run_skips_its_group(tmp_path):
                    "ep2ckpt-default_saves": "skipped", "ep2ckpt-default_loads": "skipped"}
     # the stock run's second phase is not attempted without a saved checkpoint
     assert (out / "phases/ep2ckpt-stock.2.log").read_text().startswith("skipped: phases/ep2ckpt-stock.1 failed")
+
+
+def _uncoalesced_rank(rank, world):
+    sys.path.insert(0, str(SCRIPTS))
+    import megatron_lm_gloo
+    from megatron.core.distributed import param_and_grad_buffer as buffers
+
+    megatron_lm_gloo.uncoalesced()
+    assert buffers._coalescing_manager is megatron_lm_gloo._one_by_one
+    xs = [torch.full((3,), float(rank + i)) for i in range(3)]
+    gathered = torch.empty(2 * world)
+    # what DDP's start_grad_sync / start_param_sync issue: async collectives under the manager, whose
+    # handle is waited for later; here one at a time, every handle kept
+    with buffers._coalescing_manager(dist.group.WORLD, async_ops=True) as handle:
+        for x in xs:
+            dist.all_reduce(x, async_op=True)
+        buffers.dist_all_gather_func(gathered, torch.full((2,), float(rank)), async_op=True)
+    assert len(handle.works) == 4
+    handle.wait()
+    for i, x in enumerate(xs):
+        assert torch.equal(x, torch.full((3,), float(sum(r + i for r in range(world)))))
+    assert gathered.tolist() == [float(r) for r in range(world) for _ in range(2)]
+    # synchronous calls: nothing to wait for
+    with buffers._coalescing_manager(dist.group.WORLD, async_ops=False) as handle:
+        dist.all_reduce(xs[0])
+    assert handle.works == []
+
+
+def test_uncoalesced_bucket_collectives():
+    spawn(_uncoalesced_rank, 2, megatron=False)
