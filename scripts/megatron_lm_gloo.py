@@ -60,10 +60,13 @@ def _collected(collective):
 
 
 def uncoalesced() -> None:
-    """Megatron-Core DDP's bucket-group collectives one by one instead of coalesced."""
+    """Megatron-Core DDP's bucket-group collectives one by one instead of coalesced (once: a second
+    call changes nothing)."""
     import torch.distributed as dist
     from megatron.core.distributed import param_and_grad_buffer as buffers
 
+    if buffers._coalescing_manager is _one_by_one:
+        return
     buffers._coalescing_manager = _one_by_one
     dist.all_reduce = _collected(dist.all_reduce)  # buffers calls it as torch.distributed.all_reduce
     for name in ("dist_all_gather_func", "dist_reduce_scatter_func"):  # its module-level aliases
@@ -80,6 +83,12 @@ def launch(argv: list[str], prepare, usage: str) -> int:
     os.environ.setdefault("MEGATRON_LM_DIR", checkout)
     sys.path.insert(0, checkout)
     sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # megatron_rails
+    from megatron_rails.launch import not_a_script
+
+    why = not_a_script(argv[0])  # before prepare() imports megatron.core from the script's directory
+    if why:
+        print(f"{os.path.basename(sys.argv[0])}: {why}", file=sys.stderr)
+        return 2
     prepare()
     from megatron_rails.launch import main as run
 

@@ -170,7 +170,8 @@ for wheel in wheels:
     print(f"  {module}: unpacked {os.path.basename(wheel)}")
 PYEOF
   fi
-  export PYTHONPATH="$REPO:$MLM${PYTHONPATH:+:$PYTHONPATH}:$SITE"
+  site=""; [ "$DEVICE" = cuda ] && site=":$SITE"   # the unpacked wheels: on CPU this Python's own packages
+  export PYTHONPATH="$REPO:$MLM${PYTHONPATH:+:$PYTHONPATH}$site"
   export MEGATRON_LM_DIR="$MLM"
   export CUBLAS_WORKSPACE_CONFIG=:4096:8 NCCL_ALGO=Ring CUDA_DEVICE_MAX_CONNECTIONS=1
   # on CPU one thread per rank: the ranks share the machine's cores

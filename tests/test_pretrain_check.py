@@ -242,15 +242,21 @@ def _uncoalesced_rank(rank, world):
     gathered = torch.empty(2 * world)
     # what DDP's start_grad_sync / start_param_sync issue: async collectives under the manager, whose
     # handle is waited for later; here one at a time, every handle kept
+    shard = torch.empty(2)
+    megatron_lm_gloo.uncoalesced()  # a second call wraps nothing twice
     with buffers._coalescing_manager(dist.group.WORLD, async_ops=True) as handle:
         for x in xs:
             dist.all_reduce(x, async_op=True)
         buffers.dist_all_gather_func(gathered, torch.full((2,), float(rank)), async_op=True)
-    assert len(handle.works) == 4
+        # the distributed optimizer's gradient reduce: rank r keeps elements 2r, 2r+1 of the sum
+        buffers.dist_reduce_scatter_func(shard, torch.arange(2.0 * world) * (rank + 1), async_op=True)
+    assert len(handle.works) == 5
     handle.wait()
     for i, x in enumerate(xs):
         assert torch.equal(x, torch.full((3,), float(sum(r + i for r in range(world)))))
     assert gathered.tolist() == [float(r) for r in range(world) for _ in range(2)]
+    scale = sum(r + 1 for r in range(world))
+    assert shard.tolist() == [float(2 * rank * scale), float((2 * rank + 1) * scale)]
     # synchronous calls: nothing to wait for
     with buffers._coalescing_manager(dist.group.WORLD, async_ops=False) as handle:
         dist.all_reduce(xs[0])
