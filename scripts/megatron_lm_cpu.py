@@ -164,9 +164,11 @@ def _tracker_add(self, name: str, seed: int) -> None:
 
 
 @contextlib.contextmanager
-def _tracker_fork(self, name: str = "model-parallel-rng"):
-    """CudaRNGStatesTracker.fork on the CPU generator: the named state in, then saved back (advanced)
-    and the state before restored; nested forks nest."""
+def _tracker_fork(self, name: str | None = None):
+    """CudaRNGStatesTracker.fork on the CPU generator: the named state (default: Megatron's
+    model-parallel one) in, then saved back (advanced) and the state before restored; forks nest."""
+    if name is None:
+        from megatron.core.tensor_parallel.random import _MODEL_PARALLEL_RNG_TRACKER_NAME as name
     if name not in self.states_:
         raise Exception(f"rng state {name} is not added")
     outer = torch.get_rng_state()

@@ -99,8 +99,8 @@ COMMON+=(${EXTRA[@]+"${EXTRA[@]}"})
 
 # -- run one configuration -----------------------------------------------------------------------------
 PORT=${PORT_BASE:-29400}  # PORT_BASE: two instances side by side need apart ports
-run_one() {  # NAME WORLD EP DP [EXTRA ARGS...] (DP: data-parallel size of the dense layers)
-  local name=$1 world=$2 ep=$3 dp=$4; shift 4
+run_one() {  # NAME WORLD EP [EXTRA ARGS...]
+  local name=$1 world=$2 ep=$3; shift 3
   local backend=gloo extra=() entry=(-m megatron_rails.launch)
   # --deterministic-mode (torch.use_deterministic_algorithms); RUN_DET=0 turns it off for one run
   [ "${RUN_DET:-$DETERMINISTIC}" = 1 ] && extra+=(--deterministic-mode)
@@ -116,10 +116,11 @@ run_one() {  # NAME WORLD EP DP [EXTRA ARGS...] (DP: data-parallel size of the d
     extra+=(--local-rank 0); entry=("$REPO/scripts/megatron_lm_gloo.py")
   fi
   PORT=$((PORT + 1))
+  # the dense layers' data-parallel size is world / pipeline stages = ep (no tensor parallelism)
   local cmd=(timeout -k 15 "$RUN_TIMEOUT" "$PY" -m torch.distributed.run --nnodes 1 --nproc-per-node "$world"
              --master-addr 127.0.0.1 --master-port "$PORT"
              "${entry[@]}" "$MLM/pretrain_gpt.py" "${COMMON[@]}"
-             --global-batch-size $((MICRO * dp * ${accum:-$ACCUM})) --distributed-backend "$backend"
+             --global-batch-size $((MICRO * ep * ${accum:-$ACCUM})) --distributed-backend "$backend"
              --expert-model-parallel-size "$ep" ${extra[@]+"${extra[@]}"} "$@")
   if [ "$PRINT_ONLY" = 1 ]; then
     printf '%s' "$name"; printf ' %q' "${cmd[@]}"; printf '\n'
@@ -141,7 +142,7 @@ run_one() {  # NAME WORLD EP DP [EXTRA ARGS...] (DP: data-parallel size of the d
     # an op without a deterministic CUDA kernel: keep that log, run again without --deterministic-mode
     mv "$OUT/$name.log" "$OUT/$name.deterministic-error.txt"
     log "  $name: no deterministic kernel for an op ($(grep -m1 -o '[A-Za-z_.]* does not have a deterministic implementation' "$OUT/$name.deterministic-error.txt")); again without --deterministic-mode"
-    RUN_DET=0 run_one "$name" "$world" "$ep" "$dp" "$@"
+    RUN_DET=0 run_one "$name" "$world" "$ep" "$@"
     return $?
   fi
   return "$rc"
@@ -274,9 +275,9 @@ mark_skipped() {  # GROUP: its stock run failed; a marker for each run that is n
 run_resumed() {  # NAME WORLD EP: ${first[@]} to iteration ITERS/2 (saving), then ${second[@]} to ITERS
   local name=$1 world=$2 ep=$3 rc=0
   mkdir -p "$OUT/phases"
-  run_one "phases/$name.1" "$world" "$ep" "$ep" "${first[@]}" || rc=$?
+  run_one "phases/$name.1" "$world" "$ep" "${first[@]}" || rc=$?
   if [ "$rc" = 0 ] || [ "$PRINT_ONLY" = 1 ]; then
-    run_one "phases/$name.2" "$world" "$ep" "$ep" "${second[@]}" || rc=$?
+    run_one "phases/$name.2" "$world" "$ep" "${second[@]}" || rc=$?
   else
     echo "skipped: phases/$name.1 failed (exit $rc): nothing saved to resume from" > "$OUT/phases/$name.2.log"
   fi
@@ -306,7 +307,7 @@ check_checkpoints() {  # GROUP WORLD EP: checkpoints (Megatron-LM's default form
     first=(${gargs[@]+"${gargs[@]}"} "${pargs[@]}" --save "$OUT/ckpt/$policy" "${save[@]}")
     second=(${gargs[@]+"${gargs[@]}"} ${stock[@]+"${stock[@]}"} "${load[@]}" "$OUT/ckpt/$policy")
     run_resumed "$group-${policy}_saves" "$world" "$ep"
-    run_one "$group-${policy}_loads" "$world" "$ep" "$ep" ${gargs[@]+"${gargs[@]}"} "${pargs[@]}" \
+    run_one "$group-${policy}_loads" "$world" "$ep" ${gargs[@]+"${gargs[@]}"} "${pargs[@]}" \
       "${load[@]}" "$OUT/ckpt/stock"
   done
 }
@@ -329,11 +330,11 @@ for group in $RUN_GROUPS; do
     check_checkpoints "$group" "$world" "$ep"
     continue
   fi
-  if run_one "$group-stock" "$world" "$ep" "$ep" ${gargs[@]+"${gargs[@]}"} ${stock[@]+"${stock[@]}"} \
+  if run_one "$group-stock" "$world" "$ep" ${gargs[@]+"${gargs[@]}"} ${stock[@]+"${stock[@]}"} \
       || { [ "$world" = 1 ] && [ "$DEVICE" = cuda ]; } || [ "${GLOO_RUN_ALL:-0}" = 1 ]; then
     for policy in $(group_policies "$group"); do
       set_policy_args "$group" "$policy"
-      run_one "$group-$policy" "$world" "$ep" "$ep" ${gargs[@]+"${gargs[@]}"} "${pargs[@]}"
+      run_one "$group-$policy" "$world" "$ep" ${gargs[@]+"${gargs[@]}"} "${pargs[@]}"
     done
   else
     mark_skipped "$group"

@@ -57,14 +57,12 @@ class Run:
         return not self.losses or (self.train_iters is not None and max(self.losses) < self.train_iters)
 
 
-def parse_log(text: str) -> tuple[dict[int, float], dict[int, float], dict[int, float], int | None]:
-    """{iteration: lm loss}, {iteration: elapsed ms}, {iteration: grad norm}, train_iters, from training_log lines."""
-    losses, times, norms, total = {}, {}, {}, None
+def iterations(text: str):
+    """(iteration, train_iters, {field: value}) for every training_log line of a log."""
     for line in text.splitlines():
         m = ITER_RE.search(line)
         if not m:
             continue
-        it, total = int(m.group(1)), int(m.group(2))
         fields = {}
         for part in m.group(3).split("|"):
             f = FIELD_RE.match(part)
@@ -73,6 +71,13 @@ def parse_log(text: str) -> tuple[dict[int, float], dict[int, float], dict[int, 
                     fields[f.group(1).strip()] = float(f.group(2))
                 except ValueError:
                     pass
+        yield int(m.group(1)), int(m.group(2)), fields
+
+
+def parse_log(text: str) -> tuple[dict[int, float], dict[int, float], dict[int, float], int | None]:
+    """{iteration: lm loss}, {iteration: elapsed ms}, {iteration: grad norm}, train_iters, from training_log lines."""
+    losses, times, norms, total = {}, {}, {}, None
+    for it, total, fields in iterations(text):
         if "lm loss" in fields:
             losses[it] = fields["lm loss"]
         if "elapsed time per iteration (ms)" in fields:
@@ -89,17 +94,10 @@ def parse_balance(text: str) -> tuple[float | None, float | None]:
     """Medians over the logged iterations of the dispatcher's max/mean tokens per EP rank under the stock
     placement and under the plan (megatron_rails' tracker names in the training log; None without them)."""
     values: dict[str, list[float]] = {name: [] for name in BALANCE_FIELDS}
-    for line in text.splitlines():
-        m = ITER_RE.search(line)
-        if not m:
-            continue
-        for part in m.group(3).split("|"):
-            f = FIELD_RE.match(part)
-            if f and f.group(1).strip() in values:
-                try:
-                    values[f.group(1).strip()].append(float(f.group(2)))
-                except ValueError:
-                    pass
+    for _, _, fields in iterations(text):
+        for name in BALANCE_FIELDS:
+            if name in fields:
+                values[name].append(fields[name])
     before, after = (statistics.median(values[n]) if values[n] else None for n in BALANCE_FIELDS)
     return before, after
 
