@@ -20,12 +20,20 @@ The ranks run with glibc's malloc told to keep freed memory (MALLOC_MMAP_THRESHO
 maximum, MALLOC_TRIM_THRESHOLD_ at 2 GiB, unless already set), as CUDA's caching allocator does.
 Left to its dynamic threshold, glibc maps blocks of a few MiB afresh or keeps them depending on
 which large blocks the process freed before, so one case's page faults (tens of thousands per
-step, several percent of it) depended on the cases that ran before it in the same process.
+step, several percent of it) depended on the cases that ran before it in the same process. Kept,
+the heap still grows into fresh pages for as long as the cases' blocks fragment it (measured with
+four of the cases in one process, after four warm-up rounds: some cases took 1,000-3,000 faults a
+step, and which ones moved when one policy's allocations changed), so before the first round
+every rank touches HEAP_TOUCH bytes of heap and frees them (`--quick`: an eighth): the heap's top
+then holds pages already mapped, as a warm caching allocator's pool does. Each row reports its
+steps' minor page faults (`minor_faults_p50`, from getrusage on every rank; the larger rank's
+median).
 """
 from __future__ import annotations
 
 import json
 import os
+import resource
 import sys
 import tempfile
 import time
@@ -55,6 +63,8 @@ SKEWS = {"uniform": 0.0, "zipf:1.2": 1.2, "zipf:2.0": 2.0, "balanced": None}
 # page faults per step in their first three rounds and under 10 from the fourth on (every other
 # policy under 30 from the second); the heap then stays put. A long training run never sees it.
 WARMUP = 3
+HEAP_TOUCH = 1 << 30  # bytes of heap each rank touches and frees before the first round
+HEAP_BLOCK = 16 << 20  # below the mmap threshold: the blocks come from the heap, not mmap
 LR = 1e-3
 PLACEHOLDER_BYTES = 8  # fsep's freed stock parameters share one element per layer (at most fp64)
 
@@ -166,7 +176,17 @@ def _median_and_quartiles(name: str, per_round: np.ndarray) -> dict:
     return {name: float(q50), f"{name}_q25": float(q25), f"{name}_q75": float(q75)}
 
 
-def _worker(rank, world, store, shape, micro, reps, warmup, out):
+def _touch_heap(nbytes: int) -> None:
+    """Grow the heap by `nbytes` of touched pages and free them (see the module docstring)."""
+    blocks = [torch.ones(HEAP_BLOCK // 4) for _ in range(max(0, nbytes) // HEAP_BLOCK)]
+    del blocks
+
+
+def _minor_faults() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def _worker(rank, world, store, shape, micro, reps, warmup, out, heap_touch=HEAP_TOUCH):
     os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[rank]})  # one core per rank
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
@@ -176,6 +196,8 @@ def _worker(rank, world, store, shape, micro, reps, warmup, out):
     opts = {c: torch.optim.SGD(m.parameters(), lr=LR) for c, m in built.items()}
     xs = _microbatches(rank, shape, micro)
     times = {c: [] for c in cases}
+    faults = {c: [] for c in cases}
+    _touch_heap(heap_touch)
     for it in range(reps + warmup):
         # a fresh order every round: rotating one fixed order, each case always ran right after the
         # same other, and that placement showed (fsep and default, one computation on one node,
@@ -183,17 +205,20 @@ def _worker(rank, world, store, shape, micro, reps, warmup, out):
         for i in np.random.default_rng(it).permutation(len(cases)):
             c = cases[i]
             dist.barrier()
-            t0 = time.perf_counter()
+            f0, t0 = _minor_faults(), time.perf_counter()
             _step(built[c], opts[c], xs)
             dist.barrier()
             if it >= warmup:
                 times[c].append(time.perf_counter() - t0)
+                faults[c].append(_minor_faults() - f0)
         if rank == 0:
             print(f"  round {it + 1}/{reps + warmup} done", file=sys.stderr, flush=True)
     steps = reps + warmup
     ideal = np.array(times[("balanced", "none")])
+    fault_p50 = torch.tensor([float(np.median(faults[c])) for c in cases])
+    dist.all_reduce(fault_p50, op=dist.ReduceOp.MAX)
     rows = []
-    for skew, p in cases:
+    for i, (skew, p) in enumerate(cases):
         t = np.array(times[(skew, p)])
         recs = [r for layer in built[(skew, p)] for r in layer.token_dispatcher.metrics]
         fetch = sum(r["weight_bytes_sent"] for r in recs) / steps
@@ -208,7 +233,11 @@ def _worker(rank, world, store, shape, micro, reps, warmup, out):
                      # an fp32 main_grad the return is twice the fetch)
                      "weight_bytes_per_step": 2.0 * fetch,
                      "weight_bytes_per_step_if_per_microbatch": 2.0 * per_micro,
-                     "expert_bytes_per_rank": experts + slots, "slot_bytes": slots})
+                     "expert_bytes_per_rank": experts + slots, "slot_bytes": slots,
+                     # what the stores keep for the step's buffers (runtime/hostbuf.py), in use or not
+                     "host_blocks_bytes": sum(layer.token_dispatcher.store.blocks.kept_bytes()
+                                              for layer in built[(skew, p)]),
+                     "minor_faults_p50": float(fault_p50[i])})
     if rank == 0:
         with open(out, "w") as f:
             json.dump(rows, f)
@@ -247,6 +276,7 @@ def bench_step(out: str, ranks: int = 2, microbatches: int = 8, quick: bool = Fa
     shape = QUICK_SHAPE if quick else SHAPE
     reps = reps if reps is not None else (1 if quick else 6)
     warmup = 0 if quick else WARMUP
+    heap_touch = HEAP_TOUCH // 8 if quick else HEAP_TOUCH
     print(wrapped(f"step bench: {ranks} gloo ranks (one core each), {shape['layers']} MoE layers, hidden "
                   f"{shape['hidden']}, ffn {shape['ffn']}, {shape['experts']} experts top-{shape['topk']}, "
                   f"{shape['tokens']} tokens/rank/microbatch, {microbatches} microbatches/step, "
@@ -259,7 +289,7 @@ def bench_step(out: str, ranks: int = 2, microbatches: int = 8, quick: bool = Fa
         with tempfile.TemporaryDirectory(prefix="rails-bench-") as rdzv:
             with quiet_children():
                 mp.start_processes(_worker, args=(ranks, f"{rdzv}/store", shape, microbatches, reps, warmup,
-                                                  f"{rdzv}/rows.json"), nprocs=ranks, start_method="spawn")
+                                                  f"{rdzv}/rows.json", heap_touch), nprocs=ranks, start_method="spawn")
             with open(f"{rdzv}/rows.json") as f:
                 rows = json.load(f)
     finally:
@@ -270,7 +300,7 @@ def bench_step(out: str, ranks: int = 2, microbatches: int = 8, quick: bool = Fa
                 os.environ[k] = v
     res = {"meta": {"command": "megatron-rails bench step", "ranks": ranks, "microbatches": microbatches,
                     "shape": shape, "reps": reps, "warmup": warmup, "lr": LR,
-                    "malloc": malloc,
+                    "malloc": malloc, "heap_touched_bytes": heap_touch,
                     "note": "CPU gloo, one rank per core. ratio_vs_none and of_ideal are medians of ratios "
                             "taken within a round (see megatron_rails/bench/step.py)."},
            "rows": rows, "targets": targets(rows)}

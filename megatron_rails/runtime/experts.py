@@ -27,6 +27,7 @@ from ..core.plan import Placement, owner_of_experts
 from . import residency
 from .comm.base import Pending
 from .expert_kind import ExpertKind
+from .hostbuf import HostBlocks
 from .residency import Window
 
 
@@ -54,6 +55,7 @@ class ExpertStore:
         self.shapes = [t.shape for t in first]
         self.numels = [t.numel() for t in first]
         self.window: Window | None = None  # the resident slots (runtime/residency.py)
+        self.blocks = HostBlocks()  # the step's large host buffers, kept between steps
         self.returns = 0  # gradient returns (reverse exchanges) run so far: at most one per step
         self.defer_flush = False  # the framework calls residency.flush_pending() before reading gradients
         residency.register(self)
@@ -132,7 +134,7 @@ class ExpertStore:
         runs in the background (exchange_async) until the window's weights are first read, the
         gradients return by comm.exchange."""
         self.window = Window(placement, self.key(), bool(placement.is_moved_R.any()),
-                             inference=torch.is_inference_mode_enabled())
+                             inference=torch.is_inference_mode_enabled(), blocks=self.blocks)
         self.window.add_part(*self._fetch(placement, np.ones(placement.num_replicas, dtype=bool), comm))
         return self.window
 
@@ -168,7 +170,11 @@ class ExpertStore:
         # the whole exchange, known to every rank from the placement (a RailS backend needs it)
         traffic_DD = np.zeros((D, D), dtype=np.int64)
         np.add.at(traffic_DD, (owner, dest), 1)
-        fetch = comm.exchange_async(buf, send_D, recv_D, traffic_DD) if moved.size else Pending.done(buf)
+        if moved.size:
+            out = self.blocks.empty((sum(recv_D), self.flat_size), buf.dtype, buf.device)
+            fetch = comm.exchange_async(buf, send_D, recv_D, traffic_DD, out=out)
+        else:
+            fetch = Pending.done(buf)
         route = dict(exchange=comm.exchange, send_D=send_D, recv_D=recv_D, traffic_DD=traffic_DD,
                      send_experts=send_experts)
         return fetch, p.replica_slot_R[recv].astype(np.int64), route

@@ -20,10 +20,14 @@ from .staging import permutation_and_inverse, stage
 from .residency import Window
 
 
-def _slot_major(got: torch.Tensor, D: int, n: int) -> torch.Tensor:
-    """[D * n, shard] received by source rank -> [n, D * shard]: every slot's D shards in a row."""
+def _slot_major(got: torch.Tensor, D: int, n: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """[D * n, shard] received by source rank -> [n, D * shard]: every slot's D shards in a row
+    (into `out` where given)."""
     shard = got.shape[-1]
-    return got.view(D, n, shard).transpose(0, 1).reshape(n, D * shard)
+    if out is None:
+        return got.view(D, n, shard).transpose(0, 1).reshape(n, D * shard)
+    out.view(n, D, shard).copy_(got.view(D, n, shard).transpose(0, 1))
+    return out
 
 
 def _rank_major(flat: torch.Tensor, D: int) -> torch.Tensor:
@@ -265,8 +269,14 @@ class ShardedExpertStore(ExpertStore):
         traffic_DD = np.broadcast_to(n_send, (D, D))  # every rank sends its shard of every slot
         buf = self.shards.detach() if idx is None else self.shards.detach().index_select(0, idx.rows)
         # [D * n_mine, shard] by source rank, then every slot's D shards in a row
-        fetch = comm.exchange_async(buf, n_send.tolist(), [n_mine] * D, traffic_DD).map(
-            lambda got: _slot_major(got, D, n_mine))
+        if D == 1:  # the shards themselves come back: the slots are views of them
+            fetch = comm.exchange_async(buf, n_send.tolist(), [n_mine] * D, traffic_DD).map(
+                lambda got: _slot_major(got, D, n_mine))
+        else:
+            got = self.blocks.empty((D * n_mine, self.shard), buf.dtype, buf.device)
+            fetch = comm.exchange_async(buf, n_send.tolist(), [n_mine] * D, traffic_DD, out=got).map(
+                lambda got: _slot_major(got, D, n_mine, self.blocks.empty((n_mine, D * self.shard), got.dtype,
+                                                                          got.device)))
         route = dict(exchange=comm.exchange, idx=idx, n_send=n_send.tolist(), n_mine=n_mine, traffic_DD=traffic_DD)
         return fetch, p.replica_slot_R[order][mine].astype(np.int64), route
 
@@ -282,7 +292,11 @@ class ShardedExpertStore(ExpertStore):
                 send = acc[:, start:start + n].reshape(D * n, self.shard)
             else:
                 send = _rank_major(acc[start:start + n], D)
-            back = r["exchange"](send, [r["n_mine"]] * D, r["n_send"], np.ascontiguousarray(r["traffic_DD"].T))
+            # received into a kept block: as the shards' gradient it is free again once the
+            # optimizer has zeroed the gradients (set to None), or main_grad has taken it
+            into = self.blocks.empty((sum(r["n_send"]), self.shard), send.dtype, send.device)
+            back = r["exchange"](send, [r["n_mine"]] * D, r["n_send"], np.ascontiguousarray(r["traffic_DD"].T),
+                                 out=into)
             start += n
             grad = back.view(self.shards.shape) if r["idx"] is None else r["idx"].scatter(back)
             total = grad if total is None else total.add_(grad)

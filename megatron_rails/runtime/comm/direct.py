@@ -1,7 +1,7 @@
 """The direct exchange (`comm: direct`): one autograd-aware uneven `all_to_all_single`."""
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -9,8 +9,20 @@ import torch.distributed as dist
 from .base import Pending, describe_failure, side_group
 
 
-def _a2a(x: torch.Tensor, send_D: Sequence[int], recv_D: Sequence[int], group) -> torch.Tensor:
-    out = x.new_empty((int(sum(recv_D)),) + tuple(x.shape[1:]))
+def _received(x: torch.Tensor, recv_D: Sequence[int], out: Optional[torch.Tensor]) -> torch.Tensor:
+    """The receive buffer: `out` (checked: [sum(recv_D), ...] like x, contiguous) or a new one."""
+    shape = (int(sum(recv_D)),) + tuple(x.shape[1:])
+    if out is None:
+        return x.new_empty(shape)
+    if tuple(out.shape) != shape or out.dtype != x.dtype or out.device != x.device or not out.is_contiguous():
+        raise ValueError(f"all-to-all: out must be a contiguous {x.dtype} tensor of shape {list(shape)} on "
+                         f"{x.device}, got {out.dtype} {list(out.shape)} on {out.device}")
+    return out
+
+
+def _a2a(x: torch.Tensor, send_D: Sequence[int], recv_D: Sequence[int], group,
+         out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    out = _received(x, recv_D, out)
     try:
         dist.all_to_all_single(out, x.contiguous(), list(map(int, recv_D)), list(map(int, send_D)), group=group)
     except RuntimeError as err:  # DistBackendError / gloo socket errors / timeouts
@@ -19,13 +31,15 @@ def _a2a(x: torch.Tensor, send_D: Sequence[int], recv_D: Sequence[int], group) -
 
 
 @torch.no_grad()
-def start_all_to_all(x: torch.Tensor, send_D: Sequence[int], recv_D: Sequence[int], group) -> Pending:
+def start_all_to_all(x: torch.Tensor, send_D: Sequence[int], recv_D: Sequence[int], group,
+                     out: Optional[torch.Tensor] = None) -> Pending:
     """all_to_all's exchange started in the background on `group` (not differentiable): the
-    Pending's wait() gives [sum(recv_D), ...] rows in source-rank order."""
+    Pending's wait() gives [sum(recv_D), ...] rows in source-rank order (in `out` where given,
+    except on one rank, where x itself comes back)."""
     if dist.get_world_size(group) == 1:
         return Pending.done(x)
     send = x.detach().contiguous()
-    out = x.new_empty((int(sum(recv_D)),) + tuple(x.shape[1:]))
+    out = _received(x, recv_D, out)
     try:
         work = dist.all_to_all_single(out, send, list(map(int, recv_D)), list(map(int, send_D)), group=group,
                                       async_op=True)
@@ -56,6 +70,16 @@ def all_to_all(x: torch.Tensor, send_D: Sequence[int], recv_D: Sequence[int], gr
     return _AllToAll.apply(x, list(send_D), list(recv_D), group)
 
 
+@torch.no_grad()
+def all_to_all_into(x: torch.Tensor, send_D: Sequence[int], recv_D: Sequence[int], group,
+                    out: torch.Tensor) -> torch.Tensor:
+    """all_to_all into the receive buffer `out` [sum(recv_D), ...], not differentiable (weights,
+    gradients); on one rank x itself comes back."""
+    if dist.get_world_size(group) == 1:
+        return x
+    return _a2a(x.detach(), send_D, recv_D, group, out)
+
+
 class DirectAllToAll:
     """The plain all-to-all (`comm: direct`)."""
 
@@ -64,15 +88,21 @@ class DirectAllToAll:
     def __init__(self, group):
         self.group = group
 
-    def exchange(self, x: torch.Tensor, send_D: Sequence[int], recv_D: Sequence[int], traffic_DD=None) -> torch.Tensor:
+    def exchange(self, x: torch.Tensor, send_D: Sequence[int], recv_D: Sequence[int], traffic_DD=None,
+                 out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """x: send_D[j] rows for rank j, in rank order -> recv_D[j] rows from rank j, in rank order.
-        traffic_DD (the full [D, D] send matrix) is accepted for a uniform interface and unused."""
-        return all_to_all(x, send_D, recv_D, self.group)
+        traffic_DD (the full [D, D] send matrix) is accepted for a uniform interface and unused.
+        With `out` (the receive buffer, [sum(recv_D), ...]) not differentiable (weights, gradients);
+        on one rank x itself comes back."""
+        if out is None:
+            return all_to_all(x, send_D, recv_D, self.group)
+        return all_to_all_into(x, send_D, recv_D, self.group, out)
 
     def exchange_async(self, x: torch.Tensor, send_D: Sequence[int], recv_D: Sequence[int],
-                       traffic_DD=None) -> Pending:
-        """exchange() started in the background on a side group (not differentiable; for weights)."""
-        return start_all_to_all(x, send_D, recv_D, side_group(self.group))
+                       traffic_DD=None, out: Optional[torch.Tensor] = None) -> Pending:
+        """exchange() started in the background on a side group (not differentiable; for weights),
+        into `out` where given."""
+        return start_all_to_all(x, send_D, recv_D, side_group(self.group), out)
 
     def sprays(self, traffic_DD) -> bool:
         return False

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from .base import Pending, collective_device, group_timeout, node_group, side_group
-from .direct import all_to_all, start_all_to_all
+from .direct import all_to_all, all_to_all_into, start_all_to_all
 from ...core.rails_schedule import RailSchedule, rail_imbalance, rails_schedule
 from ...core.topology import Topology
 
@@ -95,22 +95,28 @@ class RailsAllToAll:
 
     # -- the exchange ----------------------------------------------------------------------------
     def exchange(self, x: torch.Tensor, send_D: Sequence[int], recv_D: Sequence[int],
-                 traffic_DD: Optional[np.ndarray] = None) -> torch.Tensor:
+                 traffic_DD: Optional[np.ndarray] = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """x: rows for EP rank j in order, send_D[j] of them -> rows from EP rank j in order,
-        recv_D[j] of them (as all_to_all_single)."""
+        recv_D[j] of them (as all_to_all_single). With `out`, not differentiable (weights,
+        gradients): a direct exchange receives into it, a sprayed one into buffers of its own."""
         steps, row_bytes = self._route(x, send_D, recv_D, traffic_DD)
+        if out is not None:  # weights or gradients: nothing to differentiate
+            if steps is None:
+                return all_to_all_into(x, send_D, recv_D, self.group, out)
+            with torch.no_grad():
+                return self._spray(x, steps, row_bytes)
         if steps is None:  # the rails are even enough: one direct all-to-all
             return all_to_all(x, send_D, recv_D, self.group)
         return self._spray(x, steps, row_bytes)
 
     def exchange_async(self, x: torch.Tensor, send_D: Sequence[int], recv_D: Sequence[int],
-                       traffic_DD: Optional[np.ndarray] = None) -> Pending:
+                       traffic_DD: Optional[np.ndarray] = None, out: Optional[torch.Tensor] = None) -> Pending:
         """exchange() started in the background (not differentiable; for weights). A direct exchange
-        runs on a side group; a sprayed one runs now (each phase sends what the previous delivered),
-        and the Pending is already done."""
+        runs on a side group, into `out` where given; a sprayed one runs now (each phase sends what
+        the previous delivered), and the Pending is already done."""
         steps, row_bytes = self._route(x, send_D, recv_D, traffic_DD)
         if steps is None:
-            return start_all_to_all(x, send_D, recv_D, side_group(self.group))
+            return start_all_to_all(x, send_D, recv_D, side_group(self.group), out)
         with torch.no_grad():
             return Pending.done(self._spray(x, steps, row_bytes))
 

@@ -1,0 +1,153 @@
+"""The expert stores' step buffers kept between optimizer steps (runtime/hostbuf.py).
+
+A kept block is handed out again only when nothing else holds its storage: a view, a parameter's
+gradient, an autograd graph's saved tensor. In training (2 ranks, every block kept: MIN_BYTES 0)
+fsep's and ultraep's slot weights, accumulator and returned gradients come from the same blocks step
+after step, and the parameters stay equal to the stock dispatcher's after every step, with the
+optimizer setting gradients to None or zeroing them in place (the returned gradient then stays the
+shards' `.grad`, and its block is not handed out again).
+"""
+import numpy as np
+import torch
+
+from moe_harness import spawn
+from megatron_rails.runtime import hostbuf
+from megatron_rails.runtime.hostbuf import HostBlocks
+
+MB = 1 << 20
+
+
+def _ptr(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def test_a_block_comes_back_only_when_nothing_holds_it():
+    blocks = HostBlocks()
+    a = blocks.empty((MB // 4,), torch.float32, torch.device("cpu"))
+    view = a[10:]
+    del a
+    b = blocks.empty((MB // 4,), torch.float32, torch.device("cpu"))
+    assert _ptr(b) != _ptr(view), "a block was handed out while a view of it was alive"
+    kept = {_ptr(view), _ptr(b)}
+    del view
+    c = blocks.empty((MB // 8, 2), torch.float32, torch.device("cpu"))
+    assert _ptr(c) in kept and _ptr(c) != _ptr(b), "the freed block was not handed out again"
+    assert c.shape == (MB // 8, 2) and c.is_contiguous()
+    del c
+    d = blocks.empty((MB // 2,), torch.bfloat16, torch.device("cpu"))  # the same bytes in another dtype
+    assert _ptr(d) in kept and d.dtype == torch.bfloat16
+    assert blocks.kept_bytes() == 2 * MB
+    assert blocks.idle_bytes() == 0  # b and d are held
+    del b, d
+    assert blocks.idle_bytes() == 2 * MB
+
+
+def test_a_gradient_or_a_saved_tensor_keeps_its_block():
+    blocks = HostBlocks()
+    p = torch.nn.Parameter(torch.zeros(MB // 4))
+    g = blocks.empty((MB // 4,), torch.float32, torch.device("cpu"))
+    g.fill_(1.0)
+    p.grad = g
+    del g
+    assert _ptr(blocks.empty((MB // 4,), torch.float32, torch.device("cpu"))) != _ptr(p.grad)
+    # a weight saved for backward by a matmul, the graph kept
+    w = blocks.empty((512, 512), torch.float32, torch.device("cpu")).copy_(torch.eye(512))
+    x = torch.ones(3, 512, requires_grad=True)
+    y = (x @ w).sum()
+    w_ptr = _ptr(w)
+    del w
+    for _ in range(hostbuf.KEEP + 1):
+        other = blocks.empty((512, 512), torch.float32, torch.device("cpu"))
+        assert _ptr(other) != w_ptr, "a block a graph saved was handed out"
+        other.fill_(7.0)  # would corrupt the saved weight if it were the same memory
+    y.backward()
+    torch.testing.assert_close(x.grad, torch.ones(3, 512))
+
+
+def test_small_or_device_tensors_are_fresh():
+    blocks = HostBlocks()
+    for _ in range(2):
+        small = blocks.empty((16,), torch.float32, torch.device("cpu"))
+        del small
+    assert blocks.kept_bytes() == 0
+    meta = blocks.empty((MB,), torch.float32, torch.device("meta"))
+    assert meta.device.type == "meta" and blocks.kept_bytes() == 0
+
+
+def test_at_most_keep_blocks_per_size():
+    blocks = HostBlocks()
+    held = [blocks.empty((MB // 4,), torch.float32, torch.device("cpu")) for _ in range(hostbuf.KEEP + 2)]
+    assert len({_ptr(t) for t in held}) == hostbuf.KEEP + 2
+    assert blocks.kept_bytes() == hostbuf.KEEP * MB
+
+
+E, H, T, STEPS, MICRO = 8, 32, 48, 4, 3
+
+
+def _worker(rank, world, policy, set_to_none):
+    import megatron_rails
+    from megatron_rails import no_sync
+    from megatron_rails.runtime import hostbuf as hb
+    from moe_harness import build_moe_layer, moe_config
+
+    hb.MIN_BYTES = 0  # every block of the step kept, at this small size too
+    torch.manual_seed(3)
+    stock = build_moe_layer(moe_config(world, "allgather", experts=E, hidden=H))
+    megatron_rails.install({"policy": policy, "slots": 2, "comm": "direct", "tolerance": 0.0})
+    try:
+        rails = build_moe_layer(moe_config(world, "alltoall", experts=E, hidden=H))
+    finally:
+        megatron_rails.uninstall()
+    rails.load_state_dict(stock.state_dict())
+    u = torch.tensor(np.random.default_rng(1).standard_normal(H), dtype=torch.float32)
+    with torch.no_grad():
+        for layer in (stock, rails):
+            layer.router.weight[0].add_(3.0 * u / u.norm())  # expert 0 hot: slots move
+    store = rails.token_dispatcher.store
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in (stock, rails)]
+    w = torch.linspace(-1, 1, T * H).view(T, 1, H)
+    kept = []
+    for step in range(STEPS):
+        for micro in range(MICRO):
+            gen = torch.Generator().manual_seed(100 * step + 10 * micro + rank)
+            x = (torch.randn(T, H, generator=gen) + 2.0 * u / u.norm()).view(T, 1, H)
+            for i, layer in enumerate((stock, rails)):
+                gate = no_sync() if i == 1 and micro < MICRO - 1 else _null()
+                with gate:
+                    ((layer(x.clone())[0] * w).sum() / T).backward()
+        window = store.window
+        assert window is not None and window.moved, f"{policy}: no slot moved"
+        weights_ptr = _ptr(window.weights_NW)
+        for opt in opts:
+            opt.step()
+            opt.zero_grad(set_to_none=set_to_none)
+        got, ref = rails.state_dict(), stock.state_dict()
+        for k in ref:
+            torch.testing.assert_close(got[k], ref[k], rtol=1e-5, atol=1e-5,
+                                       msg=lambda m: f"{policy}, rank {rank}, after step {step}, {k}: {m}")
+        ptrs = {st.data_ptr() for blocks in store.blocks._kept.values() for st in blocks}
+        if window.weights_NW.numel():  # (an ultraep rank may receive no replica)
+            assert weights_ptr in ptrs, f"{policy}, rank {rank}, step {step}: the slot weights are not a kept block"
+        kept.append(store.blocks.kept_bytes())
+    # from the second step on every block comes back: nothing more is kept
+    assert kept[1] == kept[-1], f"{policy}, rank {rank}: kept bytes per step {kept}"
+    anywhere = torch.tensor([float(kept[-1])])
+    torch.distributed.all_reduce(anywhere)
+    assert anywhere.item() > 0, f"{policy}: no rank kept a block"
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _cases_worker(rank, world):
+    for policy, set_to_none in (("fsep", True), ("fsep", False), ("ultraep", True)):
+        _worker(rank, world, policy, set_to_none)
+
+
+def test_training_on_kept_blocks_matches_stock():
+    spawn(_cases_worker, 2)
