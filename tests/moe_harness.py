@@ -130,6 +130,22 @@ def build_moe_layer(cfg):
     return build(cfg)
 
 
+def stock_and_rails(world: int, policy: dict, seed: int, experts: int = 8, hidden: int = 16):
+    """(stock allgather layer, rails layer under `policy` with the stock one's weights), built
+    after torch.manual_seed(seed)."""
+    import megatron_rails
+
+    torch.manual_seed(seed)
+    stock = build_moe_layer(moe_config(world, "allgather", experts=experts, hidden=hidden))
+    megatron_rails.install(policy)
+    try:
+        rails = build_moe_layer(moe_config(world, "alltoall", experts=experts, hidden=hidden))
+    finally:
+        megatron_rails.uninstall()
+    rails.load_state_dict(stock.state_dict())
+    return stock, rails
+
+
 def replicas_used(records) -> float:
     """How many replicas / slots the dispatcher's metric `records` (dicts) used, summed over every
     rank of the default group (one rank's experts may get no tokens): a collective."""

@@ -7,10 +7,12 @@ after step, and the parameters stay equal to the stock dispatcher's after every 
 optimizer setting gradients to None or zeroing them in place (the returned gradient then stays the
 shards' `.grad`, and its block is not handed out again).
 """
+import contextlib
+
 import numpy as np
 import torch
 
-from moe_harness import spawn
+from moe_harness import spawn, stock_and_rails
 from megatron_rails.runtime import hostbuf
 from megatron_rails.runtime.hostbuf import HostBlocks
 
@@ -85,20 +87,12 @@ E, H, T, STEPS, MICRO = 8, 32, 48, 4, 3
 
 
 def _worker(rank, world, policy, set_to_none):
-    import megatron_rails
     from megatron_rails import no_sync
     from megatron_rails.runtime import hostbuf as hb
-    from moe_harness import build_moe_layer, moe_config
 
     hb.MIN_BYTES = 0  # every block of the step kept, at this small size too
-    torch.manual_seed(3)
-    stock = build_moe_layer(moe_config(world, "allgather", experts=E, hidden=H))
-    megatron_rails.install({"policy": policy, "slots": 2, "comm": "direct", "tolerance": 0.0})
-    try:
-        rails = build_moe_layer(moe_config(world, "alltoall", experts=E, hidden=H))
-    finally:
-        megatron_rails.uninstall()
-    rails.load_state_dict(stock.state_dict())
+    stock, rails = stock_and_rails(world, {"policy": policy, "slots": 2, "comm": "direct", "tolerance": 0.0},
+                                   seed=3, experts=E, hidden=H)
     u = torch.tensor(np.random.default_rng(1).standard_normal(H), dtype=torch.float32)
     with torch.no_grad():
         for layer in (stock, rails):
@@ -112,7 +106,7 @@ def _worker(rank, world, policy, set_to_none):
             gen = torch.Generator().manual_seed(100 * step + 10 * micro + rank)
             x = (torch.randn(T, H, generator=gen) + 2.0 * u / u.norm()).view(T, 1, H)
             for i, layer in enumerate((stock, rails)):
-                gate = no_sync() if i == 1 and micro < MICRO - 1 else _null()
+                gate = no_sync() if i == 1 and micro < MICRO - 1 else contextlib.nullcontext()
                 with gate:
                     ((layer(x.clone())[0] * w).sum() / T).backward()
         window = store.window
@@ -134,14 +128,6 @@ def _worker(rank, world, policy, set_to_none):
     anywhere = torch.tensor([float(kept[-1])])
     torch.distributed.all_reduce(anywhere)
     assert anywhere.item() > 0, f"{policy}: no rank kept a block"
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def _cases_worker(rank, world):

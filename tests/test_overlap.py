@@ -12,25 +12,18 @@ and they for its own afterwards (ReturnGate, runtime/residency.py).
 """
 import torch
 
-from moe_harness import build_moe_layer, moe_config, spawn
+from moe_harness import build_moe_layer, moe_config, spawn, stock_and_rails
 
 E, H, T = 8, 16, 48
 
 
 def _worker(rank, world, policy):
-    import megatron_rails
     from megatron_rails import new_step
     from megatron_rails.runtime.comm import base as comm_base
     from megatron_rails.runtime.comm.base import side_group
 
-    torch.manual_seed(3)
-    stock = build_moe_layer(moe_config(world, "allgather", experts=E, hidden=H))
-    megatron_rails.install({"policy": policy, "slots": 2, "comm": "direct", "tolerance": 0.0})
-    try:
-        rails = build_moe_layer(moe_config(world, "alltoall", experts=E, hidden=H))
-    finally:
-        megatron_rails.uninstall()
-    rails.load_state_dict(stock.state_dict())
+    stock, rails = stock_and_rails(world, {"policy": policy, "slots": 2, "comm": "direct", "tolerance": 0.0},
+                                   seed=3, experts=E, hidden=H)
     runtime = rails.token_dispatcher.runtime
     # made with the layer, not at the first fetch: where the default group is bound to a device,
     # making a group is a collective of every rank, which pipeline stages would reach apart
