@@ -38,7 +38,7 @@ VERSION_INDEPENDENT_TESTS = (
     "tests/test_pretrain_check.py::test_cpu_runs", "tests/test_pretrain_check.py::test_gpu_runs",
     "tests/test_pretrain_check.py::test_bad_device",
     # the kept host blocks' own rules (plain torch); their training against stock runs in both passes
-    "tests/test_host_blocks.py::test_a_", "tests/test_host_blocks.py::test_small_",
+    "tests/test_host_blocks.py::test_a_", "tests/test_host_blocks.py::test_small_",  # test_a_turn_ too
     "tests/test_host_blocks.py::test_at_most_",
 )
 CORE_ONLY = bool(os.environ.get("MEGATRON_RAILS_CORE_ONLY"))

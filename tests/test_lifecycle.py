@@ -6,7 +6,8 @@ gradient accumulation with `no_sync()` on all but the last microbatch (as Megatr
 or without it; with or without Megatron's activation recompute. After every microbatch the loss,
 after every step every parameter (in stock layout) equals stock's. Within a step the slots are
 fetched once and reused by the later microbatches (counted). An evaluation forward after training
-(no optimizer) matches stock too.
+(no optimizer) matches stock too. The stores' step buffers come from kept blocks here
+(runtime/hostbuf.py, at every size).
 """
 import numpy as np
 import pytest
@@ -54,6 +55,9 @@ def _worker(rank, world, policies, accumulate, recompute, grow=False, ranks_per_
     from megatron.core import tensor_parallel
 
     from megatron_rails import no_sync
+    from megatron_rails.runtime import hostbuf
+
+    hostbuf.MIN_BYTES = 0  # the stores' step buffers come from kept blocks at this small size too
 
     w = torch.linspace(-1, 1, T * H).view(T, 1, H)
     for policy in policies:

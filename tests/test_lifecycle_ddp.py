@@ -7,7 +7,8 @@ Megatron's activation recompute. The slot gradients must reach the owners (shard
 reduces them: with overlap_grad_reduce from inside the last backward, before the owners' gradient
 ready hooks; without it before finish_grad_sync. Losses of every microbatch and, where the
 parameters are current after the step, every parameter in stock layout equal stock's to 1e-5.
-Slots are fetched once per step (DDP's no_sync marks the microbatches that accumulate).
+Slots are fetched once per step (DDP's no_sync marks the microbatches that accumulate). The
+stores' step buffers come from kept blocks here (runtime/hostbuf.py, at every size).
 """
 import numpy as np
 import pytest
@@ -68,6 +69,10 @@ def _loss_fn(recompute):
 
 def _worker(rank, world, policies):
     from ddp_harness import cpu_megatron, full_params, megatron_ddp, train_step
+
+    from megatron_rails.runtime import hostbuf
+
+    hostbuf.MIN_BYTES = 0  # the stores' step buffers come from kept blocks at this small size too
 
     H = moe_config(world, "allgather").hidden_size
     u = torch.tensor(np.random.default_rng(3).standard_normal((E, H)), dtype=torch.float32)

@@ -133,6 +133,7 @@ class ExpertStore:
         rank calls it with the same placement). comm: the exchange backend (runtime/comm); the fetch
         runs in the background (exchange_async) until the window's weights are first read, the
         gradients return by comm.exchange."""
+        self.blocks.turn()
         self.window = Window(placement, self.key(), bool(placement.is_moved_R.any()),
                              inference=torch.is_inference_mode_enabled(), blocks=self.blocks)
         self.window.add_part(*self._fetch(placement, np.ones(placement.num_replicas, dtype=bool), comm))
@@ -171,13 +172,21 @@ class ExpertStore:
         traffic_DD = np.zeros((D, D), dtype=np.int64)
         np.add.at(traffic_DD, (owner, dest), 1)
         if moved.size:
-            out = self.blocks.empty((sum(recv_D), self.flat_size), buf.dtype, buf.device)
+            out = self.receive_buffer(comm, traffic_DD, (sum(recv_D), self.flat_size), buf)
             fetch = comm.exchange_async(buf, send_D, recv_D, traffic_DD, out=out)
         else:
             fetch = Pending.done(buf)
         route = dict(exchange=comm.exchange, send_D=send_D, recv_D=recv_D, traffic_DD=traffic_DD,
                      send_experts=send_experts)
         return fetch, p.replica_slot_R[recv].astype(np.int64), route
+
+    def receive_buffer(self, comm, traffic_DD: np.ndarray, shape, like: torch.Tensor) -> torch.Tensor | None:
+        """A kept block for what an exchange of `traffic_DD` receives (`shape`, like's dtype and
+        device), or None where the exchange would not receive into it: one rank (the input comes
+        back) or a sprayed RailS schedule (its phases make their own buffers)."""
+        if self.num_ranks == 1 or comm.sprays(traffic_DD):
+            return None
+        return self.blocks.empty(shape, like.dtype, like.device)
 
     def _serving(self, placement: Placement) -> Window | None:
         """The window whose resident slots a plan on `placement` computes with, if any (Window.serves;

@@ -11,7 +11,10 @@ device but the host this hands out fresh tensors.
 
 A kept block is handed out again only when nothing else references its storage (no tensor, view,
 gradient, autograd saved tensor or collective in flight): what a caller got stays its own for as
-long as it holds any view of it.
+long as it holds any view of it. Sizes follow the placement (replicas received, slots, parts of a
+grown window), so `turn()`, called as each window opens, forgets the idle blocks no request took
+in the last two windows (one a caller held through a whole window, the previous window's weights
+say, stays for the next): at most KEEP blocks a size.
 """
 from __future__ import annotations
 
@@ -29,7 +32,19 @@ class HostBlocks:
     """Host storages kept by byte size; `empty` reuses one nobody else holds."""
 
     def __init__(self):
-        self._kept: dict[int, list[torch.UntypedStorage]] = {}
+        # byte size -> [storage, the turn it was last handed out in]
+        self._kept: dict[int, list[list]] = {}
+        self._turn = 0
+
+    def turn(self) -> None:
+        """A new window opens: forget the idle blocks not handed out in the last two windows."""
+        self._turn += 1
+        for nbytes in list(self._kept):
+            left = [e for e in self._kept[nbytes] if e[1] >= self._turn - 2 or _use_count(e[0]) > 1]
+            if left:
+                self._kept[nbytes] = left
+            else:
+                del self._kept[nbytes]
 
     def empty(self, shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """An uninitialized tensor of `shape` and `dtype` on `device` (a kept block's memory when on
@@ -44,18 +59,23 @@ class HostBlocks:
             return torch.empty(shape, dtype=dtype, device=device)
         kept = self._kept.setdefault(nbytes, [])
         # only this list holds a free block's storage (one reference)
-        free = next((st for st in kept if _use_count(st) == 1), None)
+        free = next((e for e in kept if _use_count(e[0]) == 1), None)
         if free is None:
             out = torch.empty(shape, dtype=dtype, device=device)
             if len(kept) < KEEP:
-                kept.append(out.untyped_storage())
+                kept.append([out.untyped_storage(), self._turn])
             return out
-        return torch.empty(0, dtype=dtype, device=device).set_(free, 0, shape)
+        free[1] = self._turn
+        return torch.empty(0, dtype=dtype, device=device).set_(free[0], 0, shape)
+
+    def storages(self) -> list[torch.UntypedStorage]:
+        """Every kept block's storage, in use or not."""
+        return [e[0] for entries in self._kept.values() for e in entries]
 
     def kept_bytes(self) -> int:
         """Bytes of every kept block, in use or not."""
-        return sum(st.nbytes() for blocks in self._kept.values() for st in blocks)
+        return sum(st.nbytes() for st in self.storages())
 
     def idle_bytes(self) -> int:
         """Bytes of the kept blocks nothing else holds now."""
-        return sum(st.nbytes() for blocks in self._kept.values() for st in blocks if _use_count(st) == 1)
+        return sum(st.nbytes() for st in self.storages() if _use_count(st) == 1)

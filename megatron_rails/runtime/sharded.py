@@ -273,11 +273,14 @@ class ShardedExpertStore(ExpertStore):
             fetch = comm.exchange_async(buf, n_send.tolist(), [n_mine] * D, traffic_DD).map(
                 lambda got: _slot_major(got, D, n_mine))
         else:
-            got = self.blocks.empty((D * n_mine, self.shard), buf.dtype, buf.device)
+            got = self.receive_buffer(comm, traffic_DD, (D * n_mine, self.shard), buf)
             fetch = comm.exchange_async(buf, n_send.tolist(), [n_mine] * D, traffic_DD, out=got).map(
                 lambda got: _slot_major(got, D, n_mine, self.blocks.empty((n_mine, D * self.shard), got.dtype,
                                                                           got.device)))
-        route = dict(exchange=comm.exchange, idx=idx, n_send=n_send.tolist(), n_mine=n_mine, traffic_DD=traffic_DD)
+        back_DD = np.ascontiguousarray(traffic_DD.T)
+        route = dict(exchange=comm.exchange, idx=idx, n_send=n_send.tolist(), n_mine=n_mine, back_DD=back_DD,
+                     # the gradient return's receive buffer, where it takes one
+                     into=lambda send: self.receive_buffer(comm, back_DD, (int(n_send.sum()), self.shard), send))
         return fetch, p.replica_slot_R[order][mine].astype(np.int64), route
 
     def _return_grads(self, window: Window) -> torch.Tensor:
@@ -294,9 +297,7 @@ class ShardedExpertStore(ExpertStore):
                 send = _rank_major(acc[start:start + n], D)
             # received into a kept block: as the shards' gradient it is free again once the
             # optimizer has zeroed the gradients (set to None), or main_grad has taken it
-            into = self.blocks.empty((sum(r["n_send"]), self.shard), send.dtype, send.device)
-            back = r["exchange"](send, [r["n_mine"]] * D, r["n_send"], np.ascontiguousarray(r["traffic_DD"].T),
-                                 out=into)
+            back = r["exchange"](send, [r["n_mine"]] * D, r["n_send"], r["back_DD"], out=r["into"](send))
             start += n
             grad = back.view(self.shards.shape) if r["idx"] is None else r["idx"].scatter(back)
             total = grad if total is None else total.add_(grad)
