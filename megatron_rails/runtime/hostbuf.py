@@ -2,11 +2,10 @@
 
 Every step a store with moved slots allocates the same few large host tensors per layer: the
 fetch's receive buffer, the slots' weights, their gradient accumulator and the gradient return's
-receive buffer. glibc does not hand them the blocks the step before freed (an aligned request needs
-a little more than the freed block), so its heap kept growing into fresh pages: measured in place
-on `bench step`'s model with fewer cases in the process than the benchmark runs, fsep's gradient
-return took 1,500-4,600 minor page faults per step, and 2-4x the time of the same exchange into
-memory already touched. CUDA's caching allocator already keeps freed blocks per stream, so on any
+receive buffer. Allocated afresh, they landed in fresh pages step after step (glibc's heap kept
+growing, freed blocks fragmenting it): measured in place on `bench step`'s model with fewer cases
+in the process than the benchmark runs, fsep's gradient return took 1,500-4,600 minor page faults
+per step, and 2-4x the time of the same exchange into memory already touched. CUDA's caching allocator already keeps freed blocks per stream, so on any
 device but the host this hands out fresh tensors.
 
 A kept block is handed out again only when nothing else references its storage (no tensor, view,
@@ -53,7 +52,7 @@ class HostBlocks:
         numel = 1
         for s in shape:
             numel *= s
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        nbytes = numel * dtype.itemsize
         device = torch.device(device)
         if device.type != "cpu" or nbytes == 0 or nbytes < MIN_BYTES or not hasattr(torch._C, "_storage_Use_Count"):
             return torch.empty(shape, dtype=dtype, device=device)
