@@ -23,6 +23,9 @@ MIN_BYTES = 1 << 20  # smaller tensors: glibc's free lists serve them well
 KEEP = 4  # blocks kept per size: a layer's fetch buffer, weights, accumulator and returned gradient
 
 
+_COUNTS = hasattr(torch._C, "_storage_Use_Count")  # without it no block is ever handed out again
+
+
 def _use_count(storage: torch.UntypedStorage) -> int:
     return torch._C._storage_Use_Count(storage._cdata)
 
@@ -54,7 +57,7 @@ class HostBlocks:
             numel *= s
         nbytes = numel * dtype.itemsize
         device = torch.device(device)
-        if device.type != "cpu" or nbytes == 0 or nbytes < MIN_BYTES or not hasattr(torch._C, "_storage_Use_Count"):
+        if device.type != "cpu" or nbytes == 0 or nbytes < MIN_BYTES or not _COUNTS:
             return torch.empty(shape, dtype=dtype, device=device)
         kept = self._kept.setdefault(nbytes, [])
         # only this list holds a free block's storage (one reference)

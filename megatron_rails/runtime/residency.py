@@ -154,7 +154,7 @@ class Window:
     in_flight: training forwards on these slots whose backward has not run yet.
     forwards:  training forwards on this window so far.
     inference: fetched under torch.inference_mode() (the store's stale() drops it outside).
-    blocks:    the store's HostBlocks, which acc_NW is allocated from (None: a fresh tensor).
+    blocks:    the store's HostBlocks, which acc_NW is allocated from (a window's own by default).
     """
 
     placement: Placement
@@ -175,7 +175,7 @@ class Window:
     in_flight: int = 0
     forwards: int = 0
     inference: bool = False
-    blocks: Optional[HostBlocks] = None  # where the accumulator's memory comes from (its store's)
+    blocks: HostBlocks = field(default_factory=HostBlocks)  # the accumulator's memory (its store's)
 
     def add_part(self, fetch, slots_N: np.ndarray, route: dict) -> None:
         """Append the rows of one fetch (a Pending of [n, W'] rows for slots_N, int64 [n])."""
@@ -204,8 +204,7 @@ class Window:
         if lent:
             self.acc_NW = self.weights_NW.new_zeros(shape, dtype=dtype)
         else:
-            self.acc_NW = self.weights_NW.new_empty(shape, dtype=dtype) if self.blocks is None else \
-                self.blocks.empty(shape, dtype, self.weights_NW.device)
+            self.acc_NW = self.blocks.empty(shape, dtype, self.weights_NW.device)
             for k, lo, hi, _ in self.row_segments(W, Wp):
                 (self.acc_NW[:, lo:hi] if k is None else self.acc_NW[k, :, lo:hi]).zero_()
         if lent or self.acc_fresh is None:  # else: the rows backward has reached are known already

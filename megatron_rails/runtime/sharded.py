@@ -269,14 +269,11 @@ class ShardedExpertStore(ExpertStore):
         traffic_DD = np.broadcast_to(n_send, (D, D))  # every rank sends its shard of every slot
         buf = self.shards.detach() if idx is None else self.shards.detach().index_select(0, idx.rows)
         # [D * n_mine, shard] by source rank, then every slot's D shards in a row
-        if D == 1:  # the shards themselves come back: the slots are views of them
-            fetch = comm.exchange_async(buf, n_send.tolist(), [n_mine] * D, traffic_DD).map(
-                lambda got: _slot_major(got, D, n_mine))
-        else:
-            got = self.receive_buffer(comm, traffic_DD, (D * n_mine, self.shard), buf)
-            fetch = comm.exchange_async(buf, n_send.tolist(), [n_mine] * D, traffic_DD, out=got).map(
-                lambda got: _slot_major(got, D, n_mine, self.blocks.empty((n_mine, D * self.shard), got.dtype,
-                                                                          got.device)))
+        # (on one rank the shards themselves come back, and the slots are views of them)
+        fetch = comm.exchange_async(buf, n_send.tolist(), [n_mine] * D, traffic_DD,
+                                    out=self.receive_buffer(comm, traffic_DD, (D * n_mine, self.shard), buf)).map(
+            lambda got: _slot_major(got, D, n_mine, None if D == 1 else
+                                    self.blocks.empty((n_mine, D * self.shard), got.dtype, got.device)))
         back_DD = np.ascontiguousarray(traffic_DD.T)
         route = dict(exchange=comm.exchange, idx=idx, n_send=n_send.tolist(), n_mine=n_mine, back_DD=back_DD,
                      # the gradient return's receive buffer, where it takes one
