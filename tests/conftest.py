@@ -1,13 +1,22 @@
 """Suite-wide settings.
 
-CI runs the suite twice, once per supported Megatron-Core version (.ci/run). The second pass sets
-MEGATRON_RAILS_CORE_ONLY=1 and skips the modules whose code paths do not touch Megatron-Core at
-all (planners, plan model, workloads, rail schedule and simulator, configs, Slurm, CLI output and
-refusals), since the first pass already ran them with the same package code, and the benchmark and
-soak smoke runs, whose Megatron-Core use (building MoE layers through the adapter) the parity tests
-of the second pass cover.
+CI runs the suite twice (.ci/run): all of it on the default Megatron-Core pin (0.19.2, with Triton),
+then its Megatron-dependent part on 0.16.1. The second pass sets MEGATRON_RAILS_CORE_ONLY=1 and
+skips the modules whose code paths do not touch Megatron-Core at all (planners, plan model,
+workloads, rail schedule and simulator, configs, Slurm, CLI output and refusals), since the first
+pass already ran them with the same package code, and the benchmark and soak smoke runs, whose
+Megatron-Core use (building MoE layers through the adapter) the parity tests of the second pass
+cover.
+
+MEGATRON_RAILS_REQUIRE names the optional parts (tests/optional.py) whose tests must run, not skip.
+Every run ends with its skips counted by reason, so one that should not happen shows in the log.
 """
+import collections
 import os
+
+import pytest
+
+import optional
 
 VERSION_INDEPENDENT = [
     "test_plan.py", "test_planners.py", "test_ultraep.py", "test_lp.py", "test_workloads.py", "test_config.py",
@@ -20,7 +29,7 @@ VERSION_INDEPENDENT = [
     "test_pretrain_loss_table.py", "test_route_kernel.py", "test_sampling.py", "test_sim_dedup.py",
     "test_sim_dedup_model.py", "test_step_plans.py", "test_ultraep_kernel.py", "test_units.py", "test_install.py",
     "reliability/test_soak.py", "test_spawn_harness.py", "test_api_inputs_core.py", "test_api_inputs_sim.py",
-    "test_config_megatron_asserts.py", "test_flow_kernel.py",
+    "test_config_megatron_asserts.py", "test_flow_kernel.py", "test_ci.py",
 ]
 # Deselected tests: the launcher tests run Megatron-LM's call shapes against fake `megatron.training`
 # modules (the same with either Megatron-Core version); and, to keep CI's two passes within the
@@ -45,6 +54,13 @@ CORE_ONLY = bool(os.environ.get("MEGATRON_RAILS_CORE_ONLY"))
 collect_ignore = VERSION_INDEPENDENT if CORE_ONLY else []
 
 
+def pytest_configure(config):
+    unknown = sorted(optional.REQUIRED - set(optional.PARTS))
+    if unknown:
+        raise pytest.UsageError(f"MEGATRON_RAILS_REQUIRE: unknown part(s) {', '.join(unknown)} "
+                                f"(known: {', '.join(optional.PARTS)})")
+
+
 def pytest_collection_modifyitems(config, items):
     if not CORE_ONLY:
         return
@@ -54,8 +70,25 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_report_header(config):
+    lines = [f"MEGATRON_RAILS_REQUIRE: {' '.join(sorted(optional.REQUIRED)) or '(none)'} "
+             f"(tests needing these fail where they would skip)"]
     if CORE_ONLY:
-        return [f"MEGATRON_RAILS_CORE_ONLY: not collecting version-independent modules "
-                f"(run in the default pass): {', '.join(VERSION_INDEPENDENT)}; deselected: "
-                f"{', '.join(t + '*' for t in VERSION_INDEPENDENT_TESTS)}"]
-    return []
+        lines.append(f"MEGATRON_RAILS_CORE_ONLY: not collecting version-independent modules "
+                     f"(run in the default pass): {', '.join(VERSION_INDEPENDENT)}; deselected: "
+                     f"{', '.join(t + '*' for t in VERSION_INDEPENDENT_TESTS)}")
+    return lines
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The run's skips, counted by reason (most first), with the modules they are in."""
+    by_reason = collections.defaultdict(list)
+    for rep in terminalreporter.stats.get("skipped", []):
+        if isinstance(rep.longrepr, tuple):  # (path, line, "Skipped: reason")
+            path, reason = rep.longrepr[0], rep.longrepr[2]
+        else:
+            path, reason = rep.nodeid, str(rep.longrepr)
+        by_reason[reason.removeprefix("Skipped: ")].append(rep.nodeid.split("::")[0] or path)
+    total = sum(map(len, by_reason.values()))
+    terminalreporter.section(f"{total} skipped, by reason", sep="-")
+    for reason, where in sorted(by_reason.items(), key=lambda kv: -len(kv[1])):
+        terminalreporter.line(f"{len(where):5d}  {reason}  [{', '.join(sorted(set(where)))}]")

@@ -21,22 +21,27 @@ def run80(*args, columns=80):
     return p
 
 
+# piped (these tests' subprocesses, a StringIO) a table is drawn in sim/term.py's ASCII_BOX: the
+# header rule of "=" and "+", cells split by "|"; on a terminal by ━ and │
+RULE, BAR = "=", "|"
+
+
 def headers(text: str) -> list[str]:
-    """The column headers of the one rich table in `text` (box MINIMAL_HEAVY_HEAD: header rows above the
-    ━ rule, cells split by │; a header's lines joined by a space)."""
+    """The column headers of the one table in `text`: header rows above the rule, cells split by the
+    bar; a header's lines joined by a space."""
     lines = text.splitlines()
-    rule = next(i for i, ln in enumerate(lines) if ln.startswith("━"))
+    rule = next(i for i, ln in enumerate(lines) if ln.startswith(RULE))
     rows = []
     for ln in lines[:rule][::-1]:  # header rows, bottom up, until the title
-        if "│" not in ln:
+        if BAR not in ln:
             break
-        rows.insert(0, [c.strip() for c in ln.split("│")])
+        rows.insert(0, [c.strip() for c in ln.split(BAR)])
     assert rows and len({len(r) for r in rows}) == 1, rows
     return [" ".join(r[i] for r in rows if r[i]) for i in range(len(rows[0]))]
 
 
 def check_fits(text: str, width: int = 80) -> list[str]:
-    long = [ln for ln in text.splitlines() if len(ln) > width]
+    long = [ln for ln in text.splitlines() if len(ln.encode()) > width]  # in bytes: as a log counts
     assert not long, long
     h = headers(text)
     assert all(h) and len(set(h)) == len(h), h
@@ -64,8 +69,8 @@ def test_simulate_run_fits_80_columns_at_huge_times(sizes):
             *sizes]
     p = run80(*argv)
     check_fits(p.stdout)
-    body = [ln.split("│") for ln in p.stdout.splitlines() if "│" in ln and ln.split("│")[0].strip() in ("none",
-                                                                                                     "ultraep")]
+    body = [ln.split(BAR) for ln in p.stdout.splitlines() if BAR in ln and ln.split(BAR)[0].strip() in ("none",
+                                                                                                      "ultraep")]
     assert len(body) == 4 and all(c[1].strip() in ("direct", "rails") for c in body), p.stdout
     res = json.loads(run80(*argv, "--json").stdout)
     want = {(r["policy"], r["comm"]): r["iteration_ms"] for r in res["rows"]}
@@ -86,7 +91,7 @@ def test_simulate_run_wide_and_topology_override():
               "--steps", "1", "--quiet", "--wide")
     h = headers(p.stdout)
     assert {"iteration ms", "dense ms", "bubble ms", "of ideal", "plan us"} <= set(h) and len(set(h)) == len(h)
-    title = " ".join(p.stdout.split("━")[0].split())
+    title = " ".join(p.stdout.split(BAR)[0].split())
     assert "dgx-a100" in title and "dgx-h100" not in title
     assert "direct and rails rows" not in p.stdout  # only direct was asked for
 
@@ -212,8 +217,9 @@ def test_demo_planners_headers_are_whole():
     """demo --planners: every header whole (on two or three lines), the tables within 80 columns."""
     out = run80("demo", "--planners").stdout
     assert max(map(len, out.splitlines())) <= 80 and "…" not in out, out
-    head = [ln for ln in out.splitlines() if ln.startswith("┃")][:4]  # the first table's header rows
-    words = " ".join(" ".join(c.split()) for ln in head for c in ln.split("┃"))
+    rule = next(i for i, ln in enumerate(out.splitlines()) if ln.startswith(RULE))
+    head = out.splitlines()[1:rule]  # the first table's header rows, below its title
+    words = " ".join(" ".join(c.split()) for ln in head for c in ln.split(BAR))
     assert all(w in words for w in ("max/mean", "before", "after", "bound", "cross-", "node", "tokens", "p99 us")), head
 
 
@@ -244,5 +250,101 @@ def test_numbers_are_never_cut_across_rows(monkeypatch):
     monkeypatch.setenv("COLUMNS", "30")
     buf = io.StringIO()
     console(t, file=buf).print(t)
-    cells = {c.strip() for ln in buf.getvalue().splitlines() for c in ln.split("│")}
+    cells = {c.strip() for ln in buf.getvalue().splitlines() for c in ln.split(BAR)}
     assert all(n in cells for r in rows for n in r[1:6]), buf.getvalue()
+
+
+# Issue #52: every command's human output (not --json, which has everything on one line) in lines of at
+# most 80 characters. Piped, as here, a line is also at most 80 bytes: a log or `awk length` counts
+# bytes, and the tables' box-drawing characters took 3 each (simulate run's rule: 76 columns, 228
+# bytes). Not checked here: `config show --megatron-args` piped (one line for $(...)), `config docs`
+# (the text of docs/configuration.md) and piped errors (one line each, for grep; on a terminal they
+# wrap: test_terminal_output_fits_80_columns); the training commands (demo, trace, soak, bench step,
+# dispatcher, local) in their own tests of the report and progress lines, above and in test_bench_step.py.
+EVERY_COMMAND = {
+    "plan": ["plan", "--policy", "ultraep", "--budget", "0.05"],
+    "plan lp DeepSeek-sized": ["plan", "--policy", "lp", "--ranks", "64", "--experts", "256", "--topk", "8",
+                               "--slots", "2", "--budget", "0.05"],
+    "simulate a2a": ["simulate", "a2a", "--nodes", "8", "--tokens-per-rank", "512"],
+    "simulate a2a at 256 nodes": ["simulate", "a2a", "--nodes", "256", "--tokens-per-rank", "64"],
+    "simulate a2a dedup both": ["simulate", "a2a", "--nodes", "4", "--tokens-per-rank", "256", "--dedup", "both"],
+    "simulate run, the issue's": ["simulate", "run", "configs/mixtral/mixtral-8x7b.yaml"],
+    "simulate run cross-node": ["simulate", "run", X7, "topology.gpus_per_node=4", "topology.rails_per_node=4",
+                                "parallelism.nodes=8", "balancer.ranks_per_node=0", "--steps", "1"],
+    "config validate": ["config", "validate", "configs/mixtral/mixtral-8x7b.yaml", "configs/policies/default.yaml",
+                        "configs/topology/dgx-h100.yaml"],
+    "config show": ["config", "show", "configs/deepseek/deepseek-v3.yaml"],
+    "config show preset": ["config", "show", "dgx-h100"],
+    "config show --get": ["config", "show", "configs/mixtral/mixtral-8x7b.yaml", "--get", "parallelism"],
+    "demo --planners": ["demo", "--planners"],
+    "bench rails --quick": ["bench", "rails", "--quick", "--out", "rails.json"],
+}
+
+
+def too_long(text: str, width: int = 80) -> list[str]:
+    return [ln for ln in text.splitlines() if len(ln) > width or len(ln.encode()) > width]
+
+
+@pytest.mark.parametrize("name,columns", [(name, "80") for name in EVERY_COMMAND] +
+                         [(name, None) for name in ("plan", "simulate run, the issue's", "demo --planners")])
+def test_every_command_fits_80_columns_piped(name, columns, tmp_path):
+    """stdout and stderr of every command piped, at COLUMNS=80 and, for a table of each kind, without
+    COLUMNS (80 then); files it writes are named relative to its directory, as a user's usually are."""
+    argv = EVERY_COMMAND[name]
+    if "bench" in argv:
+        (tmp_path / "configs").symlink_to(ROOT / "configs")
+    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"} | ({"COLUMNS": columns} if columns else {})
+    p = subprocess.run(CLI + argv, capture_output=True, text=True, timeout=300, env=env,
+                       cwd=tmp_path if "bench" in argv else ROOT)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert p.stdout.strip() or p.stderr.strip()
+    assert not too_long(p.stdout) and not too_long(p.stderr), too_long(p.stdout) + too_long(p.stderr)
+    assert "━" not in p.stdout and "│" not in p.stdout  # piped: ASCII rules
+
+
+def on_terminal(argv: list[str], columns: int = 80) -> tuple[int, str]:
+    """Run the command on a pseudo-terminal `columns` wide (and COLUMNS set to it): its exit status and
+    what it printed, stdout and stderr together."""
+    import fcntl
+    import pty
+    import select
+    import struct
+    import termios
+
+    main_fd, term_fd = pty.openpty()
+    fcntl.ioctl(term_fd, termios.TIOCSWINSZ, struct.pack("HHHH", 24, columns, 0, 0))
+    env = dict(os.environ, COLUMNS=str(columns), TERM="xterm")
+    p = subprocess.Popen(CLI + argv, stdin=term_fd, stdout=term_fd, stderr=term_fd, env=env, cwd=ROOT)
+    os.close(term_fd)
+    out = b""
+    while select.select([main_fd], [], [], 300)[0]:
+        try:
+            chunk = os.read(main_fd, 1 << 16)
+        except OSError:  # EIO: the command exited and closed its end
+            break
+        if not chunk:
+            break
+        out += chunk
+    os.close(main_fd)
+    text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", out.decode()).replace("\r\n", "\n")  # no colours, no CR
+    return p.wait(timeout=60), text
+
+
+def test_terminal_output_fits_80_columns():
+    """On an 80-column terminal: the tables in box-drawing characters, one column each; an error wraps."""
+    rc, text = on_terminal(["simulate", "run", "configs/mixtral/mixtral-8x7b.yaml", "--steps", "1"])
+    assert rc == 0 and "━" in text and "│" in text, text
+    assert max(map(len, text.splitlines())) <= 80, text
+    rc, text = on_terminal(["simulate", "run", "configs/mixtral/mixtral-8x7b.yaml", "--policies", "none,bogus"])
+    assert rc == 2 and text.startswith("megatron-rails simulate run: error: "), text
+    assert len(text.splitlines()) > 1 and max(map(len, text.splitlines())) <= 80, text
+
+
+def test_every_help_fits_80_columns():
+    """Every command's --help (docs/cli.md's sections, as an 80-column terminal shows them)."""
+    from megatron_rails.cli.main import build_parser
+    from megatron_rails.cli.reference import _walk, generate
+
+    blocks = re.findall(r"```text\n(.*?)\n```", generate(), re.S)
+    assert len(blocks) == len(list(_walk(build_parser())))
+    assert not [ln for b in blocks for ln in b.splitlines() if len(ln) > 80]

@@ -15,6 +15,8 @@ from megatron_rails.runtime.receive import MAX_RUNS, Runs, receive_order, rows, 
 from megatron_rails.runtime.staging import segment_order
 from megatron_rails.core.planners import make_planner
 
+import optional
+
 POLICIES = ["none", "eplb", "ultraep", "lp", "fsep"]
 D, E = 4, 8
 
@@ -224,7 +226,7 @@ def test_a_triton_kernel_that_fails_on_first_use_leaves_the_send_order_to_torch(
 def test_only_the_kernels_first_launch_counts_as_unavailable(monkeypatch):
     """local_triton wraps a failing first launch as KernelUnavailable (its cause kept); once a
     launch went through, errors are the caller's, and out-of-memory is never the kernel's."""
-    pytest.importorskip("triton")
+    optional.import_triton()
     from megatron_rails.runtime import local_triton
 
     calls = []
@@ -479,7 +481,7 @@ def test_triton_gather_sum_matches_torch():
     [k, T, H] sum bit for bit (k = 1, 2; fp16, fp32; widths across block boundaries). bf16 is
     checked on a GPU (scripts/gpu_check.py): the interpreter rounds float32 to bf16 its own way (ties
     away from even), where the GPU's conversion rounds to nearest even as torch does."""
-    pytest.importorskip("triton")
+    optional.import_triton()
     import os
     import subprocess
     import sys
@@ -494,7 +496,7 @@ def test_triton_gather_sum_matches_torch():
 def test_triton_send_order_matches_the_host_order():
     """The Triton send-order kernel (CUDA's path) under Triton's interpreter on CPU: the host path's
     tensors exactly, every policy, routings with and without k pairs per token (k == E too)."""
-    pytest.importorskip("triton")
+    optional.import_triton()
     import os
     import subprocess
     import sys

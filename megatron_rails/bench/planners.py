@@ -40,8 +40,11 @@ def _progress():
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                    transient=False, console=Console(stderr=True))  # stdout: results only
+    con = Console(stderr=True)  # stdout: results only
+    # piped, the bar is printed once, at the end, in box-drawing characters (3 bytes each in a log): the count says it
+    bar = [BarColumn()] if con.is_terminal else []
+    return Progress(TextColumn("{task.description}"), *bar, MofNCompleteColumn(), TimeElapsedColumn(),
+                    transient=False, console=con)
 
 
 class Results:
@@ -240,16 +243,12 @@ def planner_demo(json_out: bool = False) -> int:
     if json_out:
         print(json.dumps(out))
         return 0
-    from rich.console import Console
-    from rich.table import Table
+    from ..sim.term import console, table
 
-    con = Console()
     for case in out:
-        t = Table(title=case["case"])
         # two-line headers: one word per line keeps the table within 80 columns without cutting any
-        for col in ("policy", "max/mean\nbefore", "max/mean\nafter", "LP\nbound", "cross-\nnode\ntokens",
-                    "weight\nmoves", "plan\np50 us", "plan\np99 us"):
-            t.add_column(col, justify="right")
+        t = table(case["case"], ["policy", "max/mean\nbefore", "max/mean\nafter", "LP\nbound",
+                                 "cross-\nnode\ntokens", "weight\nmoves", "plan\np50 us", "plan\np99 us"])
         for r in case["rows"]:
             if "error" in r:
                 t.add_row(r["policy"], "-", "-", "-", "-", "-", "-", r["error"][:40])
@@ -257,5 +256,5 @@ def planner_demo(json_out: bool = False) -> int:
             t.add_row(r["policy"], f"{r['max_over_mean_before']:.3f}", f"{r['max_over_mean_after']:.3f}",
                       f"{r['lower_bound_max_over_mean']:.3f}", str(r["cross_node_tokens"]), str(r["weight_moves"]),
                       f"{r['plan_us_p50']:.0f}", f"{r['plan_us_p99']:.0f}")
-        con.print(t)
+        console(t).print(t)
     return 0

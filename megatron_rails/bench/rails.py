@@ -148,6 +148,7 @@ def bench_rails(out: str, quick: bool = False, plot: str | bool | None = None) -
                      "see megatron_rails/sim/rails.py; dedup: megatron_rails/sim/dedup.py", "grid": grid,
             "dedup_grid": dgrid, "started": time.strftime("%Y-%m-%dT%H:%M:%S")}
     result = {"meta": meta, "rows": rows, "dedup": drows}
+    from ..sim.term import wrapped
     from .planners import Results, _progress
 
     saved = Results(out, result)
@@ -159,9 +160,10 @@ def bench_rails(out: str, quick: bool = False, plot: str | bool | None = None) -
             row = run_case(topology, nodes, family)
             rows.append(row)
             prog.advance(task)
-            prog.console.print(f"{topology} x{nodes:<3d} {family:9s} rails/LB {row['rails_over_lb']:.4f} "
-                               f"gain vs direct {100 * row['busbw_gain_over_direct']:+6.1f}% "
-                               f"vs ecmp {100 * row['busbw_gain_over_ecmp']:+6.1f}% ({row['seconds']:.1f}s)")
+            prog.console.print(wrapped(f"{topology} x{nodes:<3d} {family:9s} rails/LB {row['rails_over_lb']:.4f} "
+                                       f"vs direct {100 * row['busbw_gain_over_direct']:+6.1f}% "
+                                       f"vs ecmp {100 * row['busbw_gain_over_ecmp']:+6.1f}% ({row['seconds']:.1f}s)"),
+                               markup=False, highlight=False)
             saved.checkpoint()
         for topology, nodes, family in dcases:
             prog.update(task, description=f"{topology} x{nodes:<3d} {family} dedup")
@@ -169,9 +171,11 @@ def bench_rails(out: str, quick: bool = False, plot: str | bool | None = None) -
             drows.append(row)
             prog.advance(task)
             gib = (row["inter_node_bytes_pairs"] / 2**30, row["inter_node_bytes_dedup"] / 2**30)
-            prog.console.print(f"{topology} x{nodes:<3d} {family} dedup: inter-node {gib[0]:.1f} -> {gib[1]:.1f} GiB, "
-                               f"rails/LB {row['rails_over_lb_pairs']:.4f} -> {row['rails_over_lb_dedup']:.4f}, "
-                               f"rails {100 * row['rails_speedup_from_dedup']:+.1f}% ({row['seconds']:.1f}s)")
+            prog.console.print(wrapped(f"{topology} x{nodes:<3d} {family} dedup: inter-node {gib[0]:.1f} -> "
+                                       f"{gib[1]:.1f} GiB, rails/LB {row['rails_over_lb_pairs']:.4f} -> "
+                                       f"{row['rails_over_lb_dedup']:.4f}, rails "
+                                       f"{100 * row['rails_speedup_from_dedup']:+.1f}% ({row['seconds']:.1f}s)"),
+                               markup=False, highlight=False)
             saved.checkpoint()
     result["summary"] = summarize(rows) | {"dedup": summarize_dedup(drows)}
     meta["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S")

@@ -165,15 +165,13 @@ def cmd_plan(args) -> int:
     if args.json:
         print(json.dumps(row))
         return 0
-    from rich.console import Console
-    from rich.table import Table
+    from ..sim.term import console, table
 
-    table = Table(title=f"megatron-rails plan: {args.policy}, D={D}, E={E}, R={args.slots}")
-    table.add_column("figure")
-    table.add_column("value", justify="right")
+    t = table(f"megatron-rails plan: {args.policy}, D={D}, E={E}, R={args.slots}", ["figure", "value"],
+              left=("figure",))
     for k, v in row.items():
-        table.add_row(k, f"{v:.4f}" if isinstance(v, float) else str(v))
-    Console().print(table)
+        t.add_row(k, f"{v:.4f}" if isinstance(v, float) else str(v))
+    console(t).print(t)
     return 0
 
 

@@ -1,6 +1,19 @@
 """Terminal output of the CLI's tables: fit the terminal (COLUMNS, 80 when not a terminal), wrap
-headers and footnotes instead of cutting them; `--wide` widens the console to the whole table."""
+headers and footnotes instead of cutting them; `--wide` widens the console to the whole table.
+Into a pipe or a file the rules are ASCII, so that a line's length is the same in columns and bytes."""
 from __future__ import annotations
+
+# table()'s box (rich's MINIMAL_HEAVY_HEAD) in ASCII: the header rule "=", column rules "|", crossings
+# "+". Its box-drawing characters are 3 bytes each in UTF-8, so a 76-column rule was 228 bytes in a log
+# (what `awk length` in the C locale, `cut -c` and most log viewers count)
+ASCII_BOX = ("  | \n"
+             "  | \n"
+             " =+ \n"
+             "  | \n"
+             " -+ \n"
+             " -+ \n"
+             "  | \n"
+             "  | \n")
 
 
 def table(title: str, columns: list[str], left: tuple[str, ...] = ()):
@@ -22,11 +35,15 @@ def table(title: str, columns: list[str], left: tuple[str, ...] = ()):
 def console(t=None, wide: bool = False, file=None):
     """A Console of the terminal's width (rich reads COLUMNS; 80 when stdout is not a terminal) on
     `file` (stdout); at least as wide as the table `t` needs with every number whole (on a terminal
-    too narrow for that, rich would crop them), with `wide` on one line per row."""
+    too narrow for that, rich would crop them), with `wide` on one line per row. Not on a terminal,
+    `t` is drawn with ASCII_BOX."""
+    from rich.box import Box
     from rich.console import Console
 
     con = Console(highlight=False, file=file)
     if t is not None:
+        if not con.is_terminal:
+            t.box = Box(ASCII_BOX, ascii=True)
         need = Console(width=10_000).measure(t).maximum if wide else _narrowest(t)
         if need > con.width:
             con = Console(width=need, highlight=False, file=file)
