@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+import optional
 from moe_harness import build_moe_layer, moe_config, spawn
 
 POLICIES = ["none", "eplb", "ultraep", "lp", "fsep"]
@@ -149,7 +150,7 @@ def test_parity_with_the_send_order_made_by_the_triton_kernel(monkeypatch):
     """The dispatcher with the Triton send-order kernel (CUDA's path where Triton is importable), run
     by Triton's interpreter on CPU: parity with stock at world 2, router gradients included (they
     come back through the pairs' probs, gathered outside the kernel)."""
-    pytest.importorskip("triton")
+    optional.import_triton()
     monkeypatch.setenv("MEGATRON_RAILS_SEND_ORDER", "triton")  # the spawned ranks inherit both
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     spawn(_worker, 2, POLICIES, 4, 23, fresh=True)  # Triton reads it when imported

@@ -43,7 +43,10 @@ class ExpertStore:
         self.experts = experts = kind.module
         self.before_read = before_read
         self.num_experts, self.rank, self.num_ranks = num_experts, rank, num_ranks
-        self.params = dict(experts.named_parameters())  # the stock parameters, by name
+        # the stock parameters the kind's slices view, by name (every one of the module's, but for a
+        # part of it: fsep's shards hold the weights and leave the biases stock, runtime/sharded.py)
+        held = {name for i in range(kind.num_local) for name, _ in kind.slices(i)}
+        self.params = {n: p for n, p in experts.named_parameters() if n in held}
         self.owner_E = owner_of_experts(num_experts, num_ranks)
         self.first_local = int(np.searchsorted(self.owner_E, rank))
         owned = int((self.owner_E == rank).sum())

@@ -1,12 +1,12 @@
 """FSEP's expert store: every expert's weights sharded over all EP ranks (ShardedExpertStore), the
-step's slots materialized from the shards by one all-to-all and their gradients returned into them.
+step's slots materialized from the shards by one all-to-all and their gradients returned into them;
+the experts' biases stay stock parameters on their owners, lent to the slots as replica weights are.
 
 Shape letters (docs/architecture.md): W parameters of one expert (flat), N rows of one gather, E
 experts, D EP ranks; a shard row holds ceil(W/D) of an expert's parameters.
 """
 from __future__ import annotations
 
-import warnings
 from collections.abc import Mapping
 
 import numpy as np
@@ -37,11 +37,17 @@ def _rank_major(flat: torch.Tensor, D: int) -> torch.Tensor:
 
 
 class ShardedExpertStore(ExpertStore):
-    """FSEP layout: every expert's flat parameters live as D shards, shard k on rank k
-    (`shards` float [E, ceil(W/D)], a Parameter registered on the experts module). The stock
-    expert parameters stay registered (their names and shapes are the checkpoint layout) but hold
-    no memory: each is a placeholder, one element expanded to the stock shape (stride 0), and no
-    longer trains. So a rank holds its shards of every expert plus the step's materialized slots.
+    """FSEP layout: every expert's flat weights live as D shards, shard k on rank k (`shards` float
+    [E, ceil(W/D)], a Parameter registered on the experts module). The stock weight parameters
+    stay registered (their names and shapes are the checkpoint layout) but hold no memory: each is
+    a placeholder, one element expanded to the stock shape (stride 0), and no longer trains. So a
+    rank holds its shards of every expert plus the step's materialized slots.
+
+    The parameters stock Megatron exempts from weight decay (biases: 1-D, or named `*.bias`) are not
+    sharded: they stay stock parameters on their owners and train there, as under stock EP (so an
+    optimizer's parameter groups, their weight decay and its checkpoint are stock's), and `biases`,
+    an owner-layout ExpertStore over them, lends every slot its expert's biases (W counts the
+    weights only; `params`, `names` and the checkpoint layout below are the weights').
 
     A step's slots are materialized by one all-to-all of shards (open_window); their accumulated
     weight gradients travel back the same way and land in the shards (flush). Checkpoints keep the
@@ -59,7 +65,13 @@ class ShardedExpertStore(ExpertStore):
 
     def __init__(self, kind: ExpertKind, num_experts: int, rank: int, num_ranks: int, exchange, before_read=None,
                  stage: torch.device | None = None):
+        biases = _Part(kind, _stock_exempt, fused_wgrad=False)  # biases' gradients come through autograd
+        if biases.slot_names:
+            kind = _Part(kind, lambda name, p: not _stock_exempt(name, p), fused_wgrad=kind.fused_wgrad)
         super().__init__(kind, num_experts, rank, num_ranks, before_read)
+        # the biases' own fetch and gradient return, once per step beside the shards' (their reads
+        # wait for the framework's updates with this store's: the same module)
+        self.biases = ExpertStore(biases, num_experts, rank, num_ranks) if biases.slot_names else None
         experts = self.experts
         self.exchange = exchange
         # where the exchange's collectives take tensors: CUDA under NCCL (see _whole_experts)
@@ -74,9 +86,6 @@ class ShardedExpertStore(ExpertStore):
         # expert-data-parallel group only (Megatron DDP reads `allreduce`)
         shards.allreduce = not num_ranks > 1
         experts.register_parameter(self.PARAM, shards)
-        biases = [n for n, shape in zip(self.names, self.shapes) if len(shape) == 1]
-        if biases and not _warned_biases:
-            _warn_biases(biases)
         for p in self.params.values():
             p.requires_grad_(False)
         self.load_from_owners()
@@ -200,13 +209,13 @@ class ShardedExpertStore(ExpertStore):
         self._stock_live = True
 
     def owner_layout_grads(self) -> dict[str, torch.Tensor]:
-        """Gradients of the stock expert parameters (names relative to the experts module) implied
-        by the shard gradients (collective)."""
+        """Gradients of the sharded stock parameters (names relative to the experts module) implied
+        by the shard gradients (collective; the biases' are their own `.grad`)."""
         grad = self.shards.grad if self.shards.grad is not None else torch.zeros_like(self.shards)
         return self._stock_tensors(self.gather_to_owners(grad))
 
     def stock_weights(self) -> dict[str, torch.Tensor]:
-        """The stock expert parameters' current values (names relative to the experts module),
+        """The sharded stock parameters' current values (names relative to the experts module),
         assembled from the shards (collective)."""
         return self._stock_tensors(self.gather_to_owners())
 
@@ -235,10 +244,12 @@ class ShardedExpertStore(ExpertStore):
         self.release_stock()
 
     def sources(self) -> list[torch.Tensor]:
-        return [self.shards]
+        """The shards, then the biases that train (ReturnGate's inputs: flush and idle_grads answer
+        for them all)."""
+        return [self.shards] + (self.biases.sources() if self.biases is not None else [])
 
     def key(self) -> tuple:
-        return residency.epoch(), self.shards._version
+        return residency.epoch(), self.shards._version, self.biases.key()[1] if self.biases is not None else 0
 
     @torch.no_grad()
     def open_window(self, placement: Placement, comm) -> Window:
@@ -246,11 +257,36 @@ class ShardedExpertStore(ExpertStore):
         in the background, as ExpertStore.open_window)."""
         self.release_stock()  # memory a checkpoint or a framework's cast gave them back
         window = super().open_window(placement, comm)
+        if self.biases is not None:  # every slot's biases from their owners, in the background too
+            self.biases.open_window(placement, comm)
         # the slots' gradients accumulate in the order the return sends them (rank-major), unless
         # lent to the experts' linears as main_grad (gradient accumulation fusion), which needs
         # every parameter's piece in one piece
         window.acc_ranks = 0 if self.kind.fused_wgrad else self.num_ranks
         return window
+
+    @torch.no_grad()
+    def grow_window(self, placement: Placement, comm) -> Window:
+        window = super().grow_window(placement, comm)
+        if self.biases is not None:
+            self.biases.grow_window(placement, comm)
+        return window
+
+    def drop_window(self) -> None:
+        super().drop_window()
+        if self.biases is not None:
+            self.biases.drop_window()
+
+    def row_params(self, window: Window, row: int, link: torch.Tensor | None) -> dict[str, torch.Tensor]:
+        """The row's weights from the shards and, where the experts have them, its slot's biases from
+        their owners' window (each through a SlotRow node of its own window when link is given)."""
+        params = super().row_params(window, row, link)
+        if self.biases is not None:
+            bias_window = self.biases.window
+            bias_window.weights()  # waits for its fetch (a SlotRow reads the rows as they are)
+            bias_row = bias_window.row_of_slot()[int(window.slots_N[row])]
+            params.update(self.biases.row_params(bias_window, bias_row, link))
+        return params
 
     def _fetch(self, p: Placement, which_R: np.ndarray, comm) -> tuple:
         """Start gathering the slots of `p` among which_R from every rank's shards: (Pending of this
@@ -308,30 +344,29 @@ class ShardedExpertStore(ExpertStore):
         framework keeps one, else as the shards' gradient (in_graph) or into `.grad`."""
         grad = self._return_grads(window)
         shards = self.shards
-        main_grad = getattr(shards, "main_grad", None)
-        out = []
-        if main_grad is not None:
-            main_grad.add_(grad)
-            out = self.idle_grads() if in_graph else []
+        out = [None]
+        if getattr(shards, "main_grad", None) is not None:
+            shards.main_grad.add_(grad)
         elif in_graph:
             out = [grad.to(shards.dtype)]
         else:
             shards.grad = grad.to(shards.dtype) if shards.grad is None else shards.grad.add_(grad)
         window.returned()  # after the received rows are read (they are the accumulator itself at D = 1)
+        if self.biases is not None:  # the biases' return, on every rank right after the shards'
+            out += self.biases.flush(self.biases.window, in_graph)
+        if not in_graph:
+            return []
+        for p, g in zip(self.sources(), out):
+            if g is None:
+                _in_main_grad(p)
         return out
 
     def idle_grads(self) -> list:
-        """The shards' gradient from a backward pass (ReturnGate's) that hands autograd none: None.
-        Where a main_grad exists (Megatron DDP), DDP's gradient-ready hook, which runs after the
-        shards' AccumulateGrad, asserts under overlap_grad_reduce that a gradient is there: it finds
-        `.grad` set here to zeros of one element expanded to the shards' shape, marked as already in
-        main_grad (so DDP does not add it), and clears it. Handed to autograd instead, that zero
-        would be copied by AccumulateGrad into a full [E, ceil(W/D)] tensor every microbatch."""
-        shards = self.shards
-        if getattr(shards, "main_grad", None) is not None:
-            shards.grad_added_to_main_grad = True
-            shards.grad = shards.new_zeros(()).expand(shards.shape)
-        return [None]
+        """The sources' gradients from a backward pass (ReturnGate's) that hands autograd none: None
+        each (see _in_main_grad)."""
+        for p in self.sources():
+            _in_main_grad(p)
+        return [None] * len(self.sources())
 
 
 class _ShardRows:
@@ -352,18 +387,44 @@ class _ShardRows:
         return grad_N.new_zeros((self.E,) + tuple(grad_N.shape[1:])).index_add_(0, self.rows, grad_N)
 
 
-_warned_biases = False
+def _in_main_grad(p: torch.Tensor) -> None:
+    """Where `p` has a main_grad (Megatron DDP), which its gradient went into already or is owed to
+    later: DDP's gradient-ready hook, which runs after p's AccumulateGrad, asserts under
+    overlap_grad_reduce that a gradient is there. It finds `.grad` set here to zeros of one element
+    expanded to p's shape, marked as already in main_grad (so DDP does not add it), and clears it.
+    Handed to autograd instead, that zero would be copied by AccumulateGrad into a full tensor of
+    p's shape every microbatch ([E, ceil(W/D)] for the shards)."""
+    if getattr(p, "main_grad", None) is not None:
+        p.grad_added_to_main_grad = True
+        p.grad = p.new_zeros(()).expand(p.shape)
 
 
-def _warn_biases(names: list) -> None:
-    """Once per process: expert biases share fsep's one shard parameter with the weights."""
-    global _warned_biases
-    _warned_biases = True
-    warnings.warn(f"megatron-rails fsep: the expert biases ({', '.join(names)}) are sharded together with the "
-                  "weights in one parameter, so an optimizer's weight decay decays them too (stock Megatron "
-                  "exempts biases), and optimizer checkpoints do not load across policies (their parameter "
-                  "groups differ); train with weight decay 0, expert modules without biases, or another "
-                  "policy", RuntimeWarning, stacklevel=3)
+def _stock_exempt(name: str, p: torch.Tensor) -> bool:
+    """Whether stock Megatron exempts a parameter from weight decay (megatron.core.optimizer's
+    get_standard_config_overrides: 1-D or named `*.bias`): fsep leaves these out of the shards,
+    whose one parameter group decays."""
+    return p.dim() == 1 or name.endswith(".bias")
+
+
+class _Part(ExpertKind):
+    """The part of an expert kind whose stock parameters satisfy keep(name, parameter): its slices
+    and slot names only (one store holds each part); the module's math is the whole kind's."""
+
+    def __init__(self, kind: ExpertKind, keep, fused_wgrad: bool):
+        self.whole, self.module, self.num_local, self.name = kind, kind.module, kind.num_local, kind.name
+        self.fused_wgrad = fused_wgrad
+        params = dict(kind.module.named_parameters())
+        self._held = {n for i in range(kind.num_local) for n, _ in kind.slices(i) if keep(n, params[n])}
+        self.slot_names = tuple(slot for slot, (n, _) in zip(kind.slot_names, kind.slices(0)) if n in self._held)
+
+    def slices(self, i):
+        return [(n, view) for n, view in self.whole.slices(i) if n in self._held]
+
+    def compute(self, params, x_NH, probs_N):
+        return self.whole.compute(params, x_NH, probs_N)
+
+    def unsupported(self, why: str):
+        return self.whole.unsupported(why)
 
 
 def _is_placeholder(p: torch.Tensor) -> bool:
