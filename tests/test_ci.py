@@ -92,9 +92,20 @@ def test_ci_passes(tmp_path):
     assert second["env"]["MEGATRON_RAILS_CORE_ONLY"] == "1" and second["env"]["MEGATRON_RAILS_TEST_SCALE"] == "0.25"
 
 
+def _clean_make_env() -> dict[str, str]:
+    """The environment without what an enclosing `make` passes down: under `make test REQUIRE=...`
+    (CI's first pass) MAKEFLAGS carries REQUIRE into every nested make, which would then read the
+    caller's settings rather than the Makefile's defaults; so would the Makefile's own variables set in
+    the environment (make reads the environment as variables)."""
+    drop = {"MAKEFLAGS", "MFLAGS", "MAKELEVEL", "MAKEOVERRIDES", *KEYS,
+            "PYTHON", "VENV", "MCORE_VERSION", "TRITON", "REQUIRE", "PYTEST_ARGS"}
+    return {k: v for k, v in os.environ.items() if k not in drop}
+
+
 def make_n(*args, cwd=ROOT) -> list[str]:
     """The commands `make -n -B ARGS` would run (nothing runs; -B: as if the venv were out of date)."""
-    p = subprocess.run(["make", "-n", "-B", *args], cwd=cwd, capture_output=True, text=True, timeout=60)
+    p = subprocess.run(["make", "-n", "-B", *args], cwd=cwd, env=_clean_make_env(), capture_output=True,
+                       text=True, timeout=60)
     assert p.returncode == 0, p.stderr
     return p.stdout.splitlines()
 
@@ -135,7 +146,8 @@ def test_make_rebuilds_the_venv_on_a_changed_source(tmp_path):
         os.utime(tmp_path / rel, (past, past))
 
     def up_to_date(*args):
-        return subprocess.run(["make", "-q", "venv", *args], cwd=tmp_path, capture_output=True).returncode == 0
+        return subprocess.run(["make", "-q", "venv", *args], cwd=tmp_path, env=_clean_make_env(),
+                              capture_output=True).returncode == 0
 
     assert up_to_date()
     assert not up_to_date("TRITON=")
