@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from moe_harness import build_moe_layer, moe_config, spawn
+from moe_harness import spawn
 
 E, LR, WD, STEPS = 8, 0.1, 0.1, 3
 ADAM = dict(adam_eps=1.0)  # Adam's update then stays close to proportional to the gradient
@@ -29,27 +29,16 @@ GROUP_FIELDS = ("wd_mult", "lr_mult", "is_expert_parallel", "weight_decay", "lr"
 
 
 def _build(world, policy, u):
-    import megatron_rails
-    from ddp_harness import chunk
+    from ddp_harness import skewed_chunk
 
-    cfg = moe_config(world, "allgather" if policy == "stock" else "alltoall", experts=E)
-    cfg.add_bias_linear = True
-    torch.manual_seed(7)
-    if policy == "stock":
-        layer = build_moe_layer(cfg)
-    else:
-        megatron_rails.install({"policy": policy, "slots": 2, "comm": "direct", "tolerance": 0.0})
-        try:
-            layer = build_moe_layer(cfg)
-        finally:
-            megatron_rails.uninstall()
-    with torch.no_grad():
-        layer.router.weight.add_(4.0 * u)  # the inputs' hot directions skew the routing
+    model = skewed_chunk(world, policy, u, E, bias=True)
+    if policy == "stock":  # biases are built zero, which no decay moves; fsep loads stock's
         g = torch.Generator().manual_seed(11)
-        for name, p in layer.named_parameters():
-            if policy == "stock" and name.endswith(".bias"):  # built zero, which no decay moves; fsep loads them
-                p.copy_(torch.randn(p.shape, generator=g))
-    return chunk(cfg, layer)
+        with torch.no_grad():
+            for name, p in model.layer.named_parameters():
+                if name.endswith(".bias"):
+                    p.copy_(torch.randn(p.shape, generator=g))
+    return model
 
 
 def _trained(model, ogr, dopt):

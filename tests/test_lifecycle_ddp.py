@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from moe_harness import build_moe_layer, moe_config, spawn
+from moe_harness import moe_config, spawn
 
 MICRO = (4, 4, 4, 2)
 TOKENS, LR, E = 16, 0.1, 8
@@ -25,22 +25,9 @@ ADAM = dict(adam_eps=1.0)  # Adam's update is then close to proportional to the 
 
 
 def _build(world, policy, u):
-    import megatron_rails
-    from ddp_harness import chunk
+    from ddp_harness import skewed_chunk
 
-    cfg = moe_config(world, "allgather" if policy == "stock" else "alltoall", experts=E)
-    torch.manual_seed(7)
-    if policy == "stock":
-        layer = build_moe_layer(cfg)
-    else:
-        megatron_rails.install({"policy": policy, "slots": 2, "comm": "direct", "tolerance": 0.0})
-        try:
-            layer = build_moe_layer(cfg)
-        finally:
-            megatron_rails.uninstall()
-    with torch.no_grad():
-        layer.router.weight.add_(4.0 * u)  # so that the inputs' hot directions skew the routing
-    return chunk(cfg, layer)
+    return skewed_chunk(world, policy, u, E)
 
 
 def _microbatches(rank, step, u, hidden):

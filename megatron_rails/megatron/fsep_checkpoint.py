@@ -19,9 +19,11 @@ is wrapped so that
 Building and merging the factory exchange whole experts over the EP group (a collective): every
 EP rank of a pipeline stage saves and loads the same entries in the same order, as Megatron's
 checkpointing does. Optimizer state in the distributed optimizer's default `dp_reshardable`
-format (its buffers, by data-parallel rank) needs no entry and loads at the same parallel sizes
-and policy only, as for stock EP (not checked here: another policy's buffers may even have the
-same sizes). Saving builds each optimizer state's stock-layout copy where that state lives, all
+format and in `dp_zero_gather_scatter` (its buffers, by data-parallel rank) needs no entry and
+loads under the same policy and expert-parallel size, at any data-parallel size, as stock EP's
+does (not checked here: another policy's buffers can have the same sizes, and Megatron-Core
+checks only those). `fully_sharded_model_space` is refused when the optimizer makes its entries,
+as Megatron-Core 0.16.1 and 0.19.2 refuse it for every parameter. Saving builds each optimizer state's stock-layout copy where that state lives, all
 before writing: transient memory of one stock copy of the local experts per state tensor.
 """
 from __future__ import annotations
@@ -29,6 +31,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import torch
+from megatron.core.dist_checkpointing.core import CheckpointingException
 from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject, ShardedTensor, ShardedTensorFactory
 
 from ..runtime.sharded import ShardedExpertStore
@@ -63,7 +66,8 @@ def wrap_sharded_state_dict(store: ShardedExpertStore) -> None:
             raise NotImplementedError(f"fsep: {type(experts).__name__}.sharded_state_dict() has no entry for "
                                       f"{sorted(missing)}: its optimizer state cannot be saved in the stock layout")
         key = prefix + store.PARAM
-        factory = ShardedTensorFactory(key, store.shards, None, _merge_fn(store, stock))
+        # replica_id as the stock entries it stands for: the model-space optimizer formats read it
+        factory = _ShardsFactory(key, store.shards, None, _merge_fn(store, stock), replica_id=stock[0][1].replica_id)
         # the key as it is when the factory is built: Megatron renames entries in place after this
         # call (TransformerBlock: 'decoder.layers.<local index>.' -> 'decoder.layers.' or the global
         # index), and an optimizer's copy prefixes the renamed key
@@ -72,6 +76,17 @@ def wrap_sharded_state_dict(store: ShardedExpertStore) -> None:
         return out
 
     experts.sharded_state_dict = sharded_state_dict
+
+
+class _ShardsFactory(ShardedTensorFactory):
+    """The shards' entry. An optimizer's flattened range of it (the distributed optimizer's
+    fully_sharded_model_space format) would index the shard layout, not the stock one: refused when
+    the optimizer makes its entries, where and as Megatron-Core refuses every ShardedTensor's."""
+
+    def validate_metadata_integrity(self):
+        if self.flattened_range is not None:
+            raise CheckpointingException("ShardedTensor.flattened_range is not supported (fsep's shards, "
+                                         "like every stock parameter's entry)")
 
 
 def _as_entry(t: torch.Tensor, entry, param: torch.Tensor) -> torch.Tensor:
@@ -94,9 +109,7 @@ def _build_fn(store: ShardedExpertStore, model_key, stock: list):
 
     @torch.no_grad()
     def build(key: str, data: torch.Tensor, replica_id, flattened_range):
-        if flattened_range is not None:
-            raise NotImplementedError("fsep: the shards' optimizer state cannot be saved flattened "
-                                      "(the distributed optimizer's fully_sharded_model_space format)")
+        assert flattened_range is None, "refused by _ShardsFactory.validate_metadata_integrity"
         if data is store.shards:  # not even a key: a stock model loading the checkpoint would not expect one
             return LocalNonpersistentObject(None)
         own_key = model_key()
