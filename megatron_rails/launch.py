@@ -44,6 +44,12 @@ def main(argv=None) -> int:
     why = not_a_script(argv[0])
     if why:
         return error(why)
+    try:  # ours first: a bad flag of ours is the user's to fix whatever the environment lacks
+        from .megatron.args import check_flags
+
+        check_flags(argv[1:])
+    except ConfigError as err:
+        return error(str(err))
     # before anything imports megatron: the checkout's megatron.core must win over the pip package's,
     # as under `python SCRIPT` (sys.path[0] is the script's directory), else its megatron.training
     # would run against another megatron.core than it does without us

@@ -713,10 +713,10 @@ def test_launcher_usage(capsys):
 
 
 def test_launcher_without_megatron_training(tmp_path):
-    script = tmp_path / "pretrain_gpt.py"
-    script.write_text("raise SystemExit('must not run')\n")
     """No megatron.training (megatron-core 0.16.1's wheel has none), or one that fails to import (0.19.2's
     wheel ships part of it, which needs Python 3.12's typing.override): each named in one line."""
+    script = tmp_path / "pretrain_gpt.py"
+    script.write_text("raise SystemExit('must not run')\n")
     probe = "import importlib.util as u, megatron; print(u.find_spec('megatron.training') is not None)"
     present = run([sys.executable, "-c", probe], cwd=tmp_path).stdout.strip() == "True"
     if run([sys.executable, "-c", "import megatron.training"], cwd=tmp_path).returncode == 0:
@@ -729,6 +729,23 @@ def test_launcher_without_megatron_training(tmp_path):
     else:
         assert "megatron.training is not importable" in proc.stderr
         assert "put a Megatron-LM checkout on PYTHONPATH or set MEGATRON_LM_DIR" in proc.stderr
+
+
+@pytest.mark.parametrize("flags,words", [
+    (["--moe-balancer", "bogus"], "argument --moe-balancer: invalid choice: 'bogus'"),
+    (["--moe-balancer-slots", "-1", "--moe-balancer", "fsep"], "argument --moe-balancer-slots: expected a non-negative"),
+    (["--moe-balancer=fsep", "--moe-rails-comm", "pigeon"], "argument --moe-rails-comm: invalid choice: 'pigeon'"),
+    (["--moe-balancer-slots", "2"], "--moe-balancer-slots given without --moe-balancer or --rails-config"),
+    (["--moe-balancer", "fsep", "--rails-config", "nope.yaml"], "nope.yaml: policy config file not found"),
+], ids=["policy", "slots", "comm", "slots alone", "config file"])
+def test_launcher_checks_its_own_flags_first(tmp_path, flags, words):
+    """A bad flag of ours is reported before megatron.training is looked for (here it is absent or fails
+    to import): in one line, naming the flag, among Megatron-LM's own arguments."""
+    script = tmp_path / "pretrain_gpt.py"
+    script.write_text("raise SystemExit('must not run')\n")
+    proc = launch(script, "--num-layers", "2", *flags, "--hidden-size", "8", cwd=tmp_path)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert words in proc.stderr and "megatron.training" not in proc.stderr, proc.stderr
 
 
 # -- the patches ------------------------------------------------------------------------------------------

@@ -89,12 +89,14 @@ def test_a_long_list_without_aliases_is_no_alias_bomb():
 
 
 @pytest.mark.parametrize("text,value", [
-    ("010", 10), ("0o10", 8), ("0x1f", 31), ("1_000", 1000), ("-5", -5), ("true", True), ("False", False),
-    ("yes", "yes"), ("off", "off"), ("On", "On"), ("2:00", "2:00"), ("1:30.5", "1:30.5"), ("1.5", 1.5),
-    ("6.02e+23", 6.02e23)])
-def test_yaml_scalars_read_as_yaml_1_2(text, value):
-    # YAML 1.1 (PyYAML) read 010 as 8, 2:00 as 120, 1:30.5 as 90.5 and yes/on as true: a config that says
-    # `slots: 2:00` ran with 120 slots; now it is text, which the key's type check refuses
+    ("010", 10), ("0o10", "0o10"), ("0x1f", "0x1f"), ("0b101", "0b101"), ("1_000", "1_000"), ("-5", -5),
+    ("true", True), ("False", False), ("yes", "yes"), ("off", "off"), ("On", "On"), ("2:00", "2:00"),
+    ("1:30.5", "1:30.5"), ("1_0.5", "1_0.5"), ("1.5", 1.5), ("6.02e+23", 6.02e23), ("1e-3", 1e-3), ("-.5", -0.5),
+    ("!!int 0x10", 16)])
+def test_yaml_scalars_read_strictly(text, value):
+    # YAML 1.1 (PyYAML) read 010 as 8, 0x1f as 31, 1_000 as 1000, 2:00 as 120, 1:30.5 as 90.5 and yes/on
+    # as true: a config that says `slots: 2:00` ran with 120 slots, `slots: 0x10` with 16; now they are
+    # text, which the key's type check refuses (an explicit tag is read as tagged)
     from megatron_rails.core.yamlfile import parse
 
     got = parse(f"a: {text}")["a"]
@@ -103,6 +105,8 @@ def test_yaml_scalars_read_as_yaml_1_2(text, value):
 
 def test_yaml_1_1_forms_are_refused_where_a_number_or_boolean_belongs(tmp_path):
     for body, words in (("slots: 2:00", "slots: expected integer, got '2:00'"),
+                        ("slots: 0x10", "slots: expected integer, got '0x10'"),
+                        ("slots: 1_0", "slots: expected integer, got '1_0'"),
                         ("check_plan: yes", "check_plan: expected true or false, got 'yes'")):
         path = tmp_path / "p.yaml"
         path.write_text(f"policy: ultraep\n{body}\n")

@@ -63,12 +63,23 @@ def _counts_from_args(args):
 
     if args.counts is not None:
         return _counts_file(args)
-    E = args.experts or DEFAULT_EXPERTS
+    E, D = args.experts or DEFAULT_EXPERTS, args.ranks or DEFAULT_RANKS
     if args.topk > E:
         raise InputError(f"--topk {args.topk}: more than the {E} experts (--experts)")
-    spec = WorkloadSpec(num_ranks=args.ranks or DEFAULT_RANKS, num_experts=E,
+    _megatron_shape(D, E, f"--experts {E}", f"--ranks {D}")
+    spec = WorkloadSpec(num_ranks=D, num_experts=E,
                         topk=args.topk, tokens_per_rank=args.tokens_per_rank, skew=args.skew, seed=args.seed)
     return counts(spec)
+
+
+def _megatron_shape(D: int, E: int, experts: str, ranks: str) -> None:
+    """Refuse a shape no Megatron run has: Megatron-Core gives every expert-parallel rank the same
+    number of experts (num_moe_experts % expert_model_parallel_size == 0; run configs refuse it
+    alike). The planners themselves take any shape (the simulator lays Mixtral's 8 experts over
+    16 GPUs)."""
+    if E % D:
+        raise InputError(f"{experts} is not divisible by {ranks}: Megatron-Core splits the experts evenly "
+                         f"over the expert-parallel ranks; use a multiple of {D} experts or a divisor of {E} ranks")
 
 
 def _counts_file(args):
@@ -85,6 +96,8 @@ def _counts_file(args):
         if given is not None and given != got:
             raise InputError(f"{flag} {given} disagrees with --counts {args.counts}, which is [D={c.shape[0]}, "
                              f"E={c.shape[1]}]; drop {flag} or give a matching file")
+    _megatron_shape(c.shape[0], c.shape[1], f"--counts {args.counts} has E={c.shape[1]} experts, which",
+                    f"its D={c.shape[0]} ranks")
     if not c.any():  # every figure would compare idle ranks (simulate run --trace refuses it alike)
         raise InputError(f"--counts {args.counts}: every count is 0 (in the first [D, E] matrix, the one plan "
                          "reads); there are no tokens to plan")

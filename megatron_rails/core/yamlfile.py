@@ -58,11 +58,13 @@ BOOL, INT, FLOAT = "tag:yaml.org,2002:bool", "tag:yaml.org,2002:int", "tag:yaml.
 
 
 def _yaml12_scalars(loader) -> None:
-    """Booleans and numbers as YAML 1.2 reads them, not 1.1 (PyYAML's): `yes`, `no`, `on`, `off` stay text
-    and only true/false are booleans; `2:00` and `1:30.5` (1.1: sexagesimal 120 and 90.5) stay text;
-    `010` is ten, not 1.1's octal eight (0o10, 0x1f, 0b101 and 1_000 are read as Python reads them). A
-    config that says `slots: 2:00` or `window: 010` is then refused or read as written, never silently as
-    another number. (An explicit tag, `!!bool yes`, is the file's own choice and read as tagged.)"""
+    """Booleans and numbers read strictly, as a user means them, not as YAML 1.1 (PyYAML) does: `yes`,
+    `no`, `on`, `off` stay text and only true/false are booleans; an integer is decimal digits
+    (`010` is ten, not 1.1's octal eight), and `0x10`, `0o10`, `0b101`, `1_000` and `2:00` (1.1: 16,
+    8, 5, 1000 and sexagesimal 120) stay text; a number is YAML 1.2's (`0.5`, `1e-3`, `.inf`; not
+    `1_0.5` or `1:30.5`). A config that says `slots: 0x10` is then refused as not an integer, never
+    read silently as another number. (An explicit tag, `!!int 0x10`, is the file's own choice and
+    read as tagged.)"""
     import re
 
     import yaml
@@ -70,13 +72,12 @@ def _yaml12_scalars(loader) -> None:
     loader.yaml_implicit_resolvers = {
         first: [(tag, rx) for tag, rx in resolvers if tag not in (BOOL, INT, FLOAT)]
         for first, resolvers in loader.yaml_implicit_resolvers.items()}
-    loader.add_implicit_resolver(FLOAT, re.compile(  # PyYAML's, less its sexagesimal form (1:30.5)
-        r"^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+][0-9]+)?|\.[0-9][0-9_]*(?:[eE][-+][0-9]+)?"
+    # INT first: a scalar both match (`12`) is the integer
+    loader.add_implicit_resolver(INT, re.compile(r"^[-+]?[0-9]+$"), list("-+0123456789"))
+    loader.add_implicit_resolver(FLOAT, re.compile(
+        r"^(?:[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?"
         r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"), list("-+0123456789."))
     loader.add_implicit_resolver(BOOL, re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
-    loader.add_implicit_resolver(
-        INT, re.compile(r"^[-+]?(?:[0-9](?:_?[0-9])*|0b[01](?:_?[01])*|0o[0-7](?:_?[0-7])*"
-                        r"|0x[0-9a-fA-F](?:_?[0-9a-fA-F])*)$"), list("-+0123456789"))
 
     def construct_int(self, node):
         text = self.construct_scalar(node)

@@ -73,6 +73,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
+class _FlagError(argparse.ArgumentParser):
+    """A parser of our flags alone whose errors raise ConfigError (one line) instead of exiting."""
+
+    def error(self, message):
+        raise ConfigError(message)
+
+
+def check_flags(argv: list[str]) -> PolicyConfig | None:
+    """Our flags among a Megatron-LM command line `argv` (the script's arguments; the rest is left to
+    Megatron-LM), checked as Megatron's parser and policy_from_args would check them, before
+    anything imports Megatron: ConfigError for a bad one. Returns the PolicyConfig they ask for
+    (None: stock). Megatron-LM's parser takes no abbreviations, and neither does this one."""
+    parser = add_arguments(_FlagError(prog="megatron-rails", add_help=False, allow_abbrev=False))
+    known, _ = parser.parse_known_args(argv)
+    return policy_from_args(known)
+
+
 def chain_extra_args(provider=None):
     """An extra_args_provider applying Megatron's own `provider` (if any), then add_arguments."""
     def extra_args_provider(parser):

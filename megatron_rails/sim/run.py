@@ -157,7 +157,15 @@ def _names(value, flag: str) -> list[str]:
     for v in items:
         if not isinstance(v, str):
             raise SimError(f"{flag}: names must be strings, got {shown(v)} in {shown(value)}")
-    return [v.strip() for v in items if v.strip()]
+    names = [v.strip() for v in items]
+    if not any(names):  # "" or ",": the caller says none is named
+        return []
+    if not all(names):  # "none," or "none,,fsep": a name left out, not a shorter list
+        raise SimError(f"{flag} {shown(value)}: an empty name (a stray comma?)")
+    seen = [v for i, v in enumerate(names) if v in names[:i]]
+    if seen:
+        raise SimError(f"{flag} {shown(value)}: {seen[0]!r} named twice")
+    return names
 
 
 def check_names(policies, comms) -> tuple[list[str], list[str]]:
