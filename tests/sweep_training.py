@@ -150,7 +150,8 @@ def _build(cfg, c: dict):
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
     from cpu_experts import CpuGroupedLinear
-    from megatron_rails.megatron.compat import build_moe_layer, grouped_experts_spec, moe_submodules
+    from mcore_versions import grouped_experts_spec
+    from megatron_rails.megatron.compat import build_moe_layer, moe_submodules
 
     if c.get("module") != "te":
         return build_moe_layer(cfg, grouped_gemm=c.get("module") == "grouped")

@@ -68,7 +68,8 @@ def _build(variant, cfg):
     from megatron.core.transformer.moe import experts as mx
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
-    from megatron_rails.megatron.compat import build_moe_layer, grouped_experts_spec, moe_submodules
+    from mcore_versions import grouped_experts_spec
+    from megatron_rails.megatron.compat import build_moe_layer, moe_submodules
 
     kind = VARIANTS[variant][0]
     if kind == "grouped":
@@ -351,7 +352,7 @@ def _metrics_worker(rank, world):
     from moe_harness import build_moe_layer
 
     import megatron_rails
-    from megatron_rails.megatron import compat
+    import mcore_versions
     from megatron_rails.megatron.metrics import TRACKED
 
     E, H, T, L = 8, 16, 12, 3
@@ -370,14 +371,15 @@ def _metrics_worker(rank, world):
         with torch.no_grad():  # a strong skew towards expert 0 (rank 0's)
             layer.router.weight[0] += 2.0
         layer.router.register_forward_hook(lambda mod, inp, out, n=number: maps.setdefault(n, []).append(out[1]))
-    compat.clear_moe_metrics()
+    mcore_versions.clear_moe_metrics()
     gen = torch.Generator().manual_seed(rank)
     skew = torch.ones(H)
     layers[1].eval()
     with torch.no_grad():  # evaluation (Megatron's evaluate()): nothing goes to the tracker
         layers[1](torch.randn(T, 1, H, generator=gen) + skew)
     layers[1].train()
-    assert all(compat.moe_metric_values(n) is None or not compat.moe_metric_values(n).any() for n in TRACKED)
+    values = [mcore_versions.moe_metric_values(n) for n in TRACKED]
+    assert all(v is None or not v.any() for v in values)
     maps.clear()
     records = {n: [] for n in layers}
     recount = {n: [] for n in layers}
@@ -400,7 +402,7 @@ def _metrics_worker(rank, world):
             after = torch.cat(got).double()
             recount[number].append((float(before.max() / before.mean()), float(after.max() / after.mean())))
     for name, key in TRACKED.items():
-        values = compat.moe_metric_values(name)
+        values = mcore_versions.moe_metric_values(name)
         assert values is not None and values.shape == (L,), (name, values)
         assert values[1] == 0, f"{name}: nothing was recorded for layer 2, got {values}"
         for number in layers:
@@ -414,7 +416,7 @@ def _metrics_worker(rank, world):
     assert summary == {n: records[n][-1] for n in layers}
     # Megatron's end-of-step report, asked (as Megatron-LM's training log asks) for its own names only
     writer = _Writer()
-    compat.report_moe_metrics(loss_scale=0.5, iteration=7, writer=writer, track_names=[], num_layers=L,
+    mcore_versions.report_moe_metrics(loss_scale=0.5, iteration=7, writer=writer, track_names=[], num_layers=L,
                               per_layer_logging=True)
     for name, key in TRACKED.items():
         per_layer = {}
@@ -428,7 +430,7 @@ def _metrics_worker(rank, world):
         for number, v in per_layer.items():
             logged = writer.scalars[f"moe/{name}_layer_{number - 1}"]
             assert abs(logged - v) <= 1e-3 * max(1.0, abs(v)), (name, number, logged, v)
-        assert not compat.moe_metric_values(name).any(), "the report clears the tracker"
+        assert not mcore_versions.moe_metric_values(name).any(), "the report clears the tracker"
 
 
 def test_metrics_reach_megatron_tracker_and_report():

@@ -435,9 +435,31 @@ def test_doc_command_runs(cmd, tmp_path, capsys, monkeypatch):
         assert strip == [{k: v for k, v in r.items() if k != "seconds"} for r in old["rows"]]
 
 
-def test_doc_lists_commands_and_the_committed_results():
-    from megatron_rails.bench.rails import markdown_tables
+def markdown_tables(result: dict) -> str:
+    """The results tables of docs/rails.md, from a bench result (written from it, kept in sync here)."""
+    rows = result["rows"]
+    lines = []
+    for topo in dict.fromkeys(r["topology"] for r in rows):
+        sel = [r for r in rows if r["topology"] == topo]
+        nodes = sorted({r["nodes"] for r in sel})
+        label = f"{topo} (what-if, not a preset)" if any(r.get("what_if") for r in sel) else topo
+        lines += [f"{label}: RailS bus-bandwidth gain over direct / over ecmp, by number of nodes; "
+                  "the worst RailS completion / lower bound of the row", "",
+                  "| traffic | " + " | ".join(str(n) for n in nodes) + " | max RailS/LB |",
+                  "|---" * (len(nodes) + 2) + "|"]
+        for fam in dict.fromkeys(r["family"] for r in sel):
+            cells = []
+            for n in nodes:
+                r = next((r for r in sel if r["family"] == fam and r["nodes"] == n), None)
+                cells.append("-" if r is None else f"{100 * r['busbw_gain_over_direct']:+.0f}% / "
+                                                   f"{100 * r['busbw_gain_over_ecmp']:+.0f}%")
+            worst = max(r["rails_over_lb"] for r in sel if r["family"] == fam)
+            lines.append(f"| {fam} | " + " | ".join(cells) + f" | {worst:.4f} |")
+        lines.append("")
+    return "\n".join(lines)
 
+
+def test_doc_lists_commands_and_the_committed_results():
     cmds = doc_commands()
     assert any(c.startswith("megatron-rails simulate a2a") for c in cmds)
     assert "megatron-rails bench rails --out bench/rails.json" in cmds

@@ -15,8 +15,7 @@ from megatron_rails.core.topology import Topology, load_topology
 from megatron_rails.core.sampling import gumbel_topk
 from megatron_rails.core.workloads import WorkloadSpec, counts
 from megatron_rails.sim.dedup import (MAX_PAIRS, counts_of, dedup_traffic, entry_rank, pair_destinations,
-                                      routing_weights, sample_routing, simulate_dedup, stock_destinations,
-                                      token_traffic)
+                                      routing_weights, sample_routing, simulate_dedup, token_traffic)
 from megatron_rails.sim.rails import SCHEMES, simulate
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -31,6 +30,31 @@ def stock():
     p_E, hot, frac = routing_weights("zipf:1.2", E, TOPK, seed=5)
     picks = sample_routing(p_E, D, T, TOPK, seed=5, hot=hot, hot_frac=frac)
     return picks, stock_destinations(picks, D, E)
+
+
+def stock_destinations(picks_DT, num_ranks: int, num_experts: int) -> np.ndarray:
+    """dest_DT int32 [D, T, topk]: the owner of each pair's expert (stock EP, policy `none`)."""
+    from megatron_rails.core.plan import owner_of_experts
+
+    return owner_of_experts(int(num_experts), int(num_ranks)).astype(np.int32)[np.asarray(picks_DT, dtype=np.intp)]
+
+
+def dedup_markdown_table(result: dict) -> str:
+    """The token-dedup table of docs/rails.md, from a bench result's "dedup" rows (written from it, kept in sync here)."""
+    rows = result.get("dedup") or []
+    gib = 2**30
+    lines = ["| traffic | nodes | inter-node GiB, without → with dedup | RailS / LB, without / with | "
+             "RailS µs, without → with (fan-out included) | RailS gain (without / with - 1), fluid / phased |", "|---" * 6 + "|"]
+    order = {f: i for i, f in enumerate(dict.fromkeys(r["traffic"] for r in rows))}
+    for r in sorted(rows, key=lambda r: (order[r["traffic"]], r["nodes"])):
+        m = {k: r["modes"][k]["rails"] for k in ("pairs", "dedup")}
+        lines.append(f"| {r['traffic']} | {r['nodes']} | {r['inter_node_bytes_pairs'] / gib:.1f} → "
+                     f"{r['inter_node_bytes_dedup'] / gib:.1f} (-{100 * r['dedup_saving']:.0f}%) | "
+                     f"{r['rails_over_lb_pairs']:.4f} / {r['rails_over_lb_dedup']:.4f} | "
+                     f"{m['pairs']['end_to_end_us']:.0f} → {m['dedup']['end_to_end_us']:.0f} | "
+                     f"{100 * r['rails_speedup_from_dedup']:+.0f}% / "
+                     f"{100 * r['rails_phased_speedup_from_dedup']:+.0f}% |")
+    return "\n".join(lines) + "\n"
 
 
 def brute_force(dest, G):
@@ -250,7 +274,6 @@ def test_cli_dedup_bad_input_is_one_line(argv, words, capsys):
 # -- docs: the dedup table is bench/rails.json's, the quoted figures are the command's ------------------------
 
 def test_docs_hold_the_committed_dedup_results():
-    from megatron_rails.bench.rails import dedup_markdown_table
 
     res = json.loads((ROOT / "bench" / "rails.json").read_text())
     r8 = next(r for r in res["dedup"] if r["nodes"] == 8 and r["family"] == "deepseek:none")

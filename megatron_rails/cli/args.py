@@ -167,11 +167,6 @@ def int_range(name: str, lo: int, hi: int | None = None):
     return conv
 
 
-def int_at_least(name: str, lo: int):
-    """argparse type: an integer >= lo, with an error naming the flag."""
-    return int_range(name, lo)
-
-
 def float_range(name: str, lo: float, hi: float):
     """argparse type: a finite number in [lo, hi] (NaN and inf are refused: they pass every < test)."""
     def conv(text: str) -> float:

@@ -67,23 +67,10 @@ def build_moe_layer(config, grouped_gemm: bool = False, use_te: bool = False):
     return MoELayer(config, moe_submodules(config.num_moe_experts, grouped_gemm, use_te))
 
 
-def grouped_experts_spec(experts_cls, linear_fc1, linear_fc2):
-    """What MoESubmodules.experts takes for a TEGroupedMLP-style module built over the given grouped
-    linear classes (any class with Transformer Engine GroupedLinear's constructor and contract)."""
-    from megatron.core.transformer.moe import experts as mx
-
-    if hasattr(mx, "GroupedMLPSubmodules"):  # 0.19: builders
-        return functools.partial(experts_cls, submodules=mx.GroupedMLPSubmodules(
-            linear_fc1=linear_fc1, linear_fc2=linear_fc2))
-    from megatron.core.transformer.mlp import MLPSubmodules
-    from megatron.core.transformer.spec_utils import ModuleSpec
-
-    return ModuleSpec(module=experts_cls, submodules=MLPSubmodules(linear_fc1=linear_fc1, linear_fc2=linear_fc2))
-
-
 # -- MoE metric tracker ---------------------------------------------------------------------------
 
-def _new_tracker():
+def moe_metrics_tracker():
+    """0.19's MoE metrics tracker, or None (0.16: the dict behind moe_utils' functions)."""
     try:
         from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
     except ImportError:  # 0.16
@@ -103,46 +90,13 @@ def _data_parallel_group():
 def record_moe_metric(name: str, value, layer_number: int, num_layers: int) -> None:
     """Add `value` (a scalar tensor) to Megatron-Core's MoE tracker for `layer_number` (1-based);
     the report sums pipeline stages, averages data-parallel ranks and scales by 1/microbatches."""
-    tracker = _new_tracker()
+    tracker = moe_metrics_tracker()
     if tracker is not None:
         tracker.record(name, value, layer_number=layer_number, num_layers=num_layers, needs_dp_avg=True)
         return
     from megatron.core.transformer.moe.moe_utils import save_to_aux_losses_tracker
 
     save_to_aux_losses_tracker(name, value, layer_number, num_layers, avg_group=_data_parallel_group())
-
-
-def moe_metric_values(name: str):
-    """The tracker's per-layer values [num_layers] for `name`, or None when it holds none."""
-    tracker = _new_tracker()
-    if tracker is not None:
-        entry = tracker.metrics.get(name)
-        return None if entry is None else entry.values
-    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
-
-    entry = get_moe_layer_wise_logging_tracker().get(name)
-    return None if entry is None else entry["values"]
-
-
-def clear_moe_metrics() -> None:
-    tracker = _new_tracker()
-    if tracker is not None:
-        tracker.clear()
-        return
-    from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
-
-    clear_aux_losses_tracker()
-
-
-def report_moe_metrics(**kwargs):
-    """Megatron-Core's end-of-step MoE report (sync, log to `writer`, clear), either version; keyword
-    arguments as in 0.16's track_moe_metrics / 0.19's MoEMetricsTracker.report."""
-    tracker = _new_tracker()
-    if tracker is not None:
-        return tracker.report(**kwargs)
-    from megatron.core.transformer.moe import moe_utils
-
-    return moe_utils.track_moe_metrics(**kwargs)
 
 
 _REPORT_EXTRA: list[str] = []

@@ -133,13 +133,6 @@ def counts_of(picks_DT, num_experts: int) -> np.ndarray:
 
 # -- which rank serves each pair ----------------------------------------------------------------------------
 
-def stock_destinations(picks_DT, num_ranks: int, num_experts: int) -> np.ndarray:
-    """dest_DT int32 [D, T, topk]: the owner of each pair's expert (stock EP, policy `none`)."""
-    from ..core.plan import owner_of_experts
-
-    return owner_of_experts(int(num_experts), int(num_ranks)).astype(np.int32)[np.asarray(picks_DT, dtype=np.intp)]
-
-
 def pair_destinations(picks_DT, plan) -> np.ndarray:
     """dest_DT int32 [D, T, topk]: the rank each pair goes to under `plan` (a core.plan.Plan whose
     counts_DE are counts_of(picks_DT)), by the runtime's rule: rank s's pairs in (expert, token)
@@ -297,14 +290,9 @@ def _fanout_terms(fanout_DD, bytes_per_row: int) -> tuple[np.ndarray, np.ndarray
     return fan.sum(axis=1), fan.sum(axis=0)
 
 
-def with_fanout(sch, res, fanout_DD, bytes_per_row: int) -> dict:
-    """End-to-end figures of a stage-1 schedule `sch` (SimResult `res`) followed by the fan-out.
-
-    end_to_end_us: the same fluid, pipelined model with the fan-out's NVLink bytes added to every
-    GPU's NVLink ports (a token is forwarded as it arrives) and one more hop; phased_end_to_end_us:
-    the three stage-1 phases, then the fan-out as a fourth (busiest NVLink port + one latency);
-    fanout_us: that fourth phase alone; lower_bound_end_to_end_us: the lower bound of stage 1 and
-    stage 2 together (the fan-out counts as intra-node traffic)."""
+def fanout_times(sch, res, fanout_DD, bytes_per_row: int) -> tuple[float, float, float]:
+    """(end_to_end_us, phased_end_to_end_us, fanout_us) of a stage-1 schedule `sch` (SimResult `res`)
+    followed by the fan-out (see with_fanout); the one pricing of the fan-out, `simulate run`'s too."""
     t = sch.topo
     out_D, in_D = _fanout_terms(fanout_DD, bytes_per_row)
     loads = resource_loads(sch, bytes_per_row)
@@ -316,9 +304,23 @@ def with_fanout(sch, res, fanout_DD, bytes_per_row: int) -> dict:
     fan_us = (max(float(np.max(_us(out_D, t.nvlink_gbps), initial=0.0)),
                   float(np.max(_us(in_D, t.nvlink_gbps), initial=0.0))) + t.latency_us) if moves else 0.0
     e2e = busiest + t.latency_us * (loads.hops + moves) if (moves or loads.hops) else 0.0
+    return e2e, res.phased_us + fan_us, fan_us
+
+
+def with_fanout(sch, res, fanout_DD, bytes_per_row: int) -> dict:
+    """End-to-end figures of a stage-1 schedule `sch` (SimResult `res`) followed by the fan-out.
+
+    end_to_end_us: the same fluid, pipelined model with the fan-out's NVLink bytes added to every
+    GPU's NVLink ports (a token is forwarded as it arrives) and one more hop; phased_end_to_end_us:
+    the three stage-1 phases, then the fan-out as a fourth (busiest NVLink port + one latency);
+    fanout_us: that fourth phase alone; lower_bound_end_to_end_us: the lower bound of stage 1 and
+    stage 2 together (the fan-out counts as intra-node traffic)."""
+    e2e, phased, fan_us = fanout_times(sch, res, fanout_DD, bytes_per_row)
+    moves = bool(np.asarray(fanout_DD).any())
     both = np.asarray(sch.traffic_DD, dtype=np.float64) + np.asarray(fanout_DD, dtype=np.float64)
-    return {"fanout_us": fan_us, "end_to_end_us": e2e, "phased_end_to_end_us": res.phased_us + fan_us,
-            "lower_bound_end_to_end_us": lower_bound_us(both * bytes_per_row, t)[0] if moves else res.lower_bound_us}
+    return {"fanout_us": fan_us, "end_to_end_us": e2e, "phased_end_to_end_us": phased,
+            "lower_bound_end_to_end_us": lower_bound_us(both * bytes_per_row, sch.topo)[0] if moves
+            else res.lower_bound_us}
 
 
 def simulate_dedup(tt: TokenTraffic, topo: Topology, schemes=SCHEMES, modes=("pairs", "dedup")) -> list[dict]:

@@ -285,30 +285,13 @@ class CommModel:
             sch = build_schedule(scheme, traffic, self.topo)
             r = simulate_schedule(sch, scheme, int(bytes_per_unit), (0.0, "-"))
             us = r.completion_us if self.model == "fluid" else r.phased_us
-            if fan is not None:
-                us = self._with_fanout_us(sch, r, fan, bytes_per_unit)
+            if fan is not None:  # priced as `simulate a2a --dedup` prices it
+                from .dedup import fanout_times
+
+                e2e, phased, _ = fanout_times(sch, r, fan, int(bytes_per_unit))
+                us = e2e if self.model == "fluid" else phased
             hit = self._cache[key] = us / 1e3
         return hit
-
-    def _with_fanout_us(self, sch, res, fan_DD, bytes_per_unit: int) -> float:
-        from .rails import resource_loads
-
-        t = self.topo
-
-        def _us(bytes_, gbps):  # microseconds to move bytes_ at gbps Gb/s
-            return np.asarray(bytes_, dtype=np.float64) * 8.0 / (gbps * 1e3)
-
-        fan = np.asarray(fan_DD, dtype=np.float64) * bytes_per_unit
-        out_D, in_D = fan.sum(axis=1), fan.sum(axis=0)
-        if self.model == "phased":
-            return res.phased_us + max(float(_us(out_D, t.nvlink_gbps).max()),
-                                       float(_us(in_D, t.nvlink_gbps).max())) + t.latency_us
-        loads = resource_loads(sch, bytes_per_unit)
-        busiest = max(float(np.max(_us(loads.nic_out_VJ, t.nic_gbps), initial=0.0)),
-                      float(np.max(_us(loads.nic_in_VJ, t.nic_gbps), initial=0.0)),
-                      float(np.max(_us(loads.nvl_out_D + out_D, t.nvlink_gbps), initial=0.0)),
-                      float(np.max(_us(loads.nvl_in_D + in_D, t.nvlink_gbps), initial=0.0)))
-        return busiest + t.latency_us * (loads.hops + 1)
 
     def nvlink_ms(self, units_DD: np.ndarray, bytes_per_unit: int) -> float:
         """Time of traffic that stays inside nodes, every message one NVLink hop: the flow model's closed
@@ -421,7 +404,9 @@ class LayerTraffic:
 def entry_DV(D: int, G: int) -> np.ndarray:
     """int64 [D, V]: the entry rank on node b of rank s's tokens, b * G + s mod G: the GPU with s's
     place in the node, on s's rail (runtime/dedup.py's rule)."""
-    return np.arange(D // G)[None, :] * G + (np.arange(D) % G)[:, None]
+    from .dedup import entry_rank
+
+    return entry_rank(np.arange(D)[:, None], np.arange(D // G)[None, :], G)
 
 
 def token_traffic(send_DD, ratio_DV, ranks_per_node: int, dedup: bool) -> LayerTraffic:
