@@ -72,6 +72,8 @@ CASES = [
     ("bench out directory", ["bench", "planners", "--out", "{tmp}"], "--out"),
     ("bench out no directory", ["bench", "planners", "--out", "{tmp}/no/b.json"], "--out"),
     ("bench step ranks", ["bench", "step", "--ranks", "4096", "--out", "{tmp}/b.json"], "--ranks"),
+    ("bench step ranks not dividing the experts", ["bench", "step", "--ranks", "3", "--out", "{tmp}/b.json"],
+     "--ranks must divide the step bench's experts (8): one of 1, 2, 4, 8, got 3"),
     ("bench step microbatches", ["bench", "step", "--microbatches", "0", "--out", "{tmp}/b.json"], "--microbatches"),
     # simulate run / a2a
     ("simulate run steps 1e9", ["simulate", "run", MINI, "--steps", "1000000000"], "--steps"),
@@ -482,6 +484,14 @@ def test_bench_choices_match_the_benchmark():
     from megatron_rails.cli.main import BENCH_DTYPES, BENCH_SHAPES
 
     assert set(BENCH_SHAPES) == set(SHAPES) and set(BENCH_DTYPES) == set(DTYPES)
+
+
+def test_bench_step_ranks_divide_its_experts():
+    """--ranks is checked against the step bench's experts without importing torch: the count must be its own."""
+    from megatron_rails.bench.step import QUICK_SHAPE, SHAPE
+    from megatron_rails.cli.main import STEP_EXPERTS
+
+    assert SHAPE["experts"] == QUICK_SHAPE["experts"] == STEP_EXPERTS
 
 
 # -- issue #16: --help of every command --------------------------------------------------------------------------

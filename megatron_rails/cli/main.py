@@ -24,6 +24,7 @@ MAX_TOKENS = 1 << 20     # tokens per rank per step
 MAX_SEED = 2**32 - 1
 DEFAULT_RANKS, DEFAULT_EXPERTS = 8, 8
 DEMO_EXPERTS = 8         # the demo and soak models' experts: their EP size must divide them
+STEP_EXPERTS = 8         # bench step's layers' experts (bench/step.py's SHAPE, which a test compares)
 DEMO_STEPS, DEMO_MICROBATCHES, DEMO_PLOT = 20, 4, "demo-imbalance.png"
 BENCH_SHAPES = ("mixtral-8x7b", "mixtral-8x22b", "tiny")  # bench/local.py SHAPES (not imported: torch)
 BENCH_DTYPES = ("bfloat16", "float16", "float32")         # bench/local.py DTYPES
@@ -360,8 +361,9 @@ def _add_bench(sub) -> None:
     b.add_argument("--shape", choices=BENCH_SHAPES, help="local: the layer shape (default: mixtral-8x7b, tiny with "
                    "--quick)")
     b.add_argument("--dtype", choices=BENCH_DTYPES, help="local: dtype of the hidden states (default: bfloat16)")
-    b.add_argument("--ranks", type=int_range("--ranks", 1, MAX_RANKS),
-                   help="step: gloo ranks, one core each (at most the cores; default: 2)")
+    b.add_argument("--ranks", type=divisor_of("--ranks", STEP_EXPERTS, "the step bench's experts"),
+                   help="step: gloo ranks, one core each (= expert-parallel size, over the layers' 8 experts; at "
+                        "most the cores; default: 2)")
     b.add_argument("--microbatches", type=int_range("--microbatches", 1, 1024),
                    help="step: microbatches per optimizer step (default: 8)")
     b.add_argument("--rounds", type=int_range("--rounds", 1, 1000), default=None,
