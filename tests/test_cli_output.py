@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -259,8 +260,9 @@ def test_numbers_are_never_cut_across_rows(monkeypatch):
 # bytes, and the tables' box-drawing characters took 3 each (simulate run's rule: 76 columns, 228
 # bytes). Not checked here: `config show --megatron-args` piped (one line for $(...)), `config docs`
 # (the text of docs/configuration.md) and piped errors (one line each, for grep; on a terminal they
-# wrap: test_terminal_output_fits_80_columns); the training commands (demo, trace, soak, bench step,
-# dispatcher, local) in their own tests of the report and progress lines, above and in test_bench_step.py.
+# wrap: test_terminal_output_fits_80_columns); the commands that train or time Megatron layers (seconds
+# each) in the tests that run them anyway: demo and soak above, bench step in test_bench_step.py, bench
+# dispatcher in test_cli.py. trace and bench local were checked by hand (2026-12-07: 76 and 79 columns).
 EVERY_COMMAND = {
     "plan": ["plan", "--policy", "ultraep", "--budget", "0.05"],
     "plan lp DeepSeek-sized": ["plan", "--policy", "lp", "--ranks", "64", "--experts", "256", "--topk", "8",
@@ -277,7 +279,11 @@ EVERY_COMMAND = {
     "config show preset": ["config", "show", "dgx-h100"],
     "config show --get": ["config", "show", "configs/mixtral/mixtral-8x7b.yaml", "--get", "parallelism"],
     "demo --planners": ["demo", "--planners"],
+    "simulate run --trace": ["simulate", "run", "configs/mini/mini-mixtral.yaml", "--trace", "trace.npy"],
+    "config show policy": ["config", "show", "configs/policies/default.yaml"],
+    "config show topology": ["config", "show", "nvl72"],
     "bench rails --quick": ["bench", "rails", "--quick", "--out", "rails.json"],
+    "bench planners --quick": ["bench", "planners", "--quick", "--out", "planners.json"],
 }
 
 
@@ -291,11 +297,12 @@ def test_every_command_fits_80_columns_piped(name, columns, tmp_path):
     """stdout and stderr of every command piped, at COLUMNS=80 and, for a table of each kind, without
     COLUMNS (80 then); files it writes are named relative to its directory, as a user's usually are."""
     argv = EVERY_COMMAND[name]
-    if "bench" in argv:
-        (tmp_path / "configs").symlink_to(ROOT / "configs")
+    (tmp_path / "configs").symlink_to(ROOT / "configs")
+    if "--trace" in argv:  # counts [steps, layers, D, E] of mini-mixtral's shape (EP4, 8 experts, 2 layers)
+        np.save(tmp_path / "trace.npy", np.random.default_rng(0).integers(0, 50, (2, 2, 4, 8)))
     env = {k: v for k, v in os.environ.items() if k != "COLUMNS"} | ({"COLUMNS": columns} if columns else {})
     p = subprocess.run(CLI + argv, capture_output=True, text=True, timeout=300, env=env,
-                       cwd=tmp_path if "bench" in argv else ROOT)
+                       cwd=tmp_path)
     assert p.returncode == 0, p.stdout + p.stderr
     assert p.stdout.strip() or p.stderr.strip()
     assert not too_long(p.stdout) and not too_long(p.stderr), too_long(p.stdout) + too_long(p.stderr)

@@ -107,7 +107,8 @@ def targets(rows: list[dict]) -> dict:
                                               5000)):
         worst = p50(D, E)
         if worst is None:
-            missing.append(f"{key}: EP{D}{f' E{E}' if E else ''} is not in this grid (the full grid has it)")
+            # short: the summary is printed as indented JSON, each string on a line of its own
+            missing.append(f"{key}: EP{D}{f' E{E}' if E else ''} is only in the full grid")
         else:
             out[key] = worst
         out[target_key] = target
