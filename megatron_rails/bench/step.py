@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from ..core.limits import cores_for_ranks
 from ..core.outfile import save_figure, summary_stream, write_text
 from ..core.policy import as_policy
 from ..megatron import models
@@ -264,10 +265,10 @@ def targets(rows: list[dict]) -> dict:
 
 def bench_step(out: str, ranks: int = 2, microbatches: int = 8, quick: bool = False, plot: str | None = None,
                reps: int | None = None) -> dict:
-    cores = len(os.sched_getaffinity(0))
-    if ranks < 1 or ranks > cores:
-        raise BenchError(f"--ranks {ranks}: this machine gives us {cores} cores and every rank needs its own "
-                         f"(ranks sharing a core cannot show stragglers); use --ranks 1..{cores}")
+    try:
+        cores_for_ranks(ranks)
+    except ValueError as e:
+        raise BenchError(str(e)) from None
     if microbatches < 1:
         raise BenchError(f"--microbatches {microbatches}: need at least 1")
     if ranks == 1:

@@ -281,12 +281,12 @@ def cmd_bench(args) -> int:
 
 
 def _cores_check(ranks: int) -> None:
-    import os
+    from ..core.limits import cores_for_ranks
 
-    cores = len(os.sched_getaffinity(0))
-    if ranks > cores:
-        raise InputError(f"--ranks {ranks}: this machine gives us {cores} cores and every rank needs its own; "
-                         f"use --ranks 1..{cores}")
+    try:
+        cores_for_ranks(ranks)
+    except ValueError as e:
+        raise InputError(str(e)) from None
 
 
 def cmd_demo(args) -> int:

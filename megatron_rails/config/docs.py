@@ -81,10 +81,11 @@ that hides the kind of a file, such as `polcy:`), and a topology lists all its b
 file is an error for every kind, and so is a key that is not a name (`1:`, `true:`, `null:`: keys are
 strings) or aliases (`*name`) that expand to more than 10000 values. Numbers such as `3e-4` are accepted for number keys (PyYAML reads an
 exponent without a dot as a string); NaN and inf are not, and integer keys of the run sections are at most
-2^31 - 1 (policy and topology keys have the ranges given below). Booleans and integers are read as
-YAML 1.2 reads them: only `true` and `false` are booleans (`yes`, `no`, `on`, `off` are text, which a
-boolean key refuses), `010` is ten (not YAML 1.1's octal eight), and `2:00` is text (not 1.1's
-sexagesimal 120); beyond 1.2, digits may be grouped with `_` as in Python (`1_000` is a thousand).
+2^31 - 1 (policy and topology keys have the ranges given below). Booleans and integers are read
+strictly, as written: only `true` and `false` are booleans (`yes`, `no`, `on`, `off` are text, which a
+boolean key refuses); an integer is decimal digits, so `010` is ten (not YAML 1.1's octal eight), and
+`0x10`, `0o10`, `0b101`, `1_000` and `2:00` are text (1.1 reads 16, 8, 5, 1000 and sexagesimal 120),
+which an integer key refuses; an explicit tag (`!!int 0x10`) is read as tagged.
 
 **Overrides**, the same on every command line and in `load_run_config(path, overrides)`: `KEY=VALUE` or
 `SECTION.KEY=VALUE`, the value parsed as YAML, applied in order before validation (an empty value is
