@@ -1,12 +1,11 @@
 """Training parity and checkpoints on 4 CPU ranks: a tiny Mixtral-shaped GPTModel (2 MoE layers,
 hidden 64, 8 experts top-2) under skewed routing.
 
-* per-step losses under fsep and ultraep match the stock allgather dispatcher within 1e-5 relative;
+* per-step losses under fsep and ultraep match the stock allgather dispatcher within 1e-5 relative
+  until a routing flip, and their flips are bounded by stock alltoall's own (tests/flips.py);
 * a checkpoint written under fsep / ultraep has exactly the stock model's keys, loads strictly into a
   stock model, and training resumed from it is bit-identical to the uninterrupted run.
 """
-import numpy as np
-
 from moe_harness import replicas_used, spawn
 
 STEPS = 20
@@ -27,27 +26,44 @@ def _build(policy, world):
         megatron_rails.uninstall()
 
 
+def _control(shape, rank, world):
+    """Stock alltoall's routing over the run (tests/flips.py's control)."""
+    from flips import RoutingLog, stock_alltoall
+    from megatron_rails.demo.train import build_model, train_steps
+
+    with stock_alltoall():
+        model = build_model(shape, world, "alltoall")
+        log = RoutingLog(model)
+        train_steps(model, shape, STEPS, rank, world)
+    return log
+
+
 def _worker(rank, world, policies):
     import torch
 
+    from flips import Control, RoutingLog, check_against_stock, step_flips
     from megatron_rails.demo.train import DemoShape, dispatcher_metrics, make_optimizer, train_steps
 
     torch.set_num_threads(1)
     shape = DemoShape()
-    ref, _ = train_steps(_build("stock", world), shape, STEPS, rank, world)
+    stock = _build("stock", world)
+    ref_log = RoutingLog(stock)
+    ref, _ = train_steps(stock, shape, STEPS, rank, world)
+    control = Control(lambda: _control(shape, rank, world), ref_log, STEPS)
     stock_keys = set(_build("stock", world).state_dict())
     for policy in policies:
         model = _build(policy, world)
+        log = RoutingLog(model)
         got, _ = train_steps(model, shape, STEPS, rank, world)
         # the skewed routing made the policy use replicas at least once (summed over layers and ranks)
         used = replicas_used(r for layer in dispatcher_metrics(model) for r in layer)
         assert used > 0, f"{policy}: no replica used in {STEPS} steps"
-        rel = np.abs(np.array(got) - ref) / np.abs(ref)
-        assert rel.max() <= 1e-5, f"{policy}: losses differ from stock by {rel.max():.2e} (rel)\n{ref}\n{got}"
+        check_against_stock(got, ref, step_flips(log, ref_log, STEPS), control, policy)
         assert got[-1] < got[0], f"{policy}: did not train: {got}"
 
         # checkpoint at HALF under `policy` (SGD: the weights are the whole training state)
         model = _build(policy, world)
+        log = RoutingLog(model)
         first, opt = train_steps(model, shape, HALF, rank, world, opt=make_optimizer(model, "sgd"))
         ckpt = {k: v.clone() if torch.is_tensor(v) else v for k, v in model.state_dict().items()}
         assert set(ckpt) == stock_keys, f"{policy}: checkpoint keys differ from stock: {set(ckpt) ^ stock_keys}"
@@ -61,9 +77,10 @@ def _worker(rank, world, policies):
         # resume in a stock model: the checkpoint is in stock layout
         stock = _build("stock", world)
         stock.load_state_dict(ckpt, strict=True)
+        cont_log = RoutingLog(stock)
         cont, _ = train_steps(stock, shape, STEPS - HALF, rank, world, opt=make_optimizer(stock, "sgd"), start=HALF)
-        rel = np.abs(np.array(cont) - rest) / np.abs(rest)
-        assert rel.max() <= 1e-5, f"{policy} -> stock resume: {rel.max():.2e}"
+        check_against_stock(cont, rest, step_flips(cont_log, log.slice(HALF), STEPS - HALF), lambda: control(HALF),
+                            f"{policy} -> stock resume")
 
 
 def test_training_parity_and_checkpoints():

@@ -7,12 +7,13 @@ For every policy (and the RailS all-to-all under fsep and ultraep):
 * the reverse: a stock checkpoint loads into the policy's model and training continues as stock does
   (1e-5 relative: the policies sum in a different order);
 * switching policy between save and resume continues within 1e-5 relative of the uninterrupted run.
+Runs that sum in different orders are compared by tests/flips.py's rule: 1e-5 until a routing flip,
+flips bounded by stock alltoall's own against stock allgather.
 """
 from __future__ import annotations
 
 import os
 
-import numpy as np
 
 from moe_harness import spawn
 
@@ -51,6 +52,25 @@ def _train(model, steps, rank, world, start=0):
     return losses
 
 
+def _logged(model, steps, rank, world, start=0):
+    """(losses, RoutingLog) of `steps` steps (one router forward per step: one microbatch)."""
+    from flips import RoutingLog
+
+    log = RoutingLog(model)
+    losses = _train(model, steps, rank, world, start)
+    log.close()
+    return losses, log
+
+
+def _control(rank, world):
+    """Stock alltoall's routing over the whole run (tests/flips.py's control)."""
+    from flips import stock_alltoall
+    from megatron_rails.demo.train import build_model
+
+    with stock_alltoall():
+        return _logged(build_model(_shape(), world, "alltoall"), STEPS, rank, world)[1]
+
+
 def _save_load(model, path):
     import torch
 
@@ -58,9 +78,12 @@ def _save_load(model, path):
     return torch.load(path, weights_only=True)
 
 
-def _close(a, b, what):
-    rel = np.max(np.abs(np.array(a) - np.array(b)) / np.abs(np.array(b)))
-    assert rel <= 1e-5, f"{what}: {rel:.2e} relative\n{a}\n{b}"
+def _close(a, b, what, control, start=0):
+    """a, b: (losses, RoutingLog) of the same steps from `start` on, compared by the long-run rule."""
+    from flips import check_against_stock, step_flips
+
+    (got, got_log), (ref, ref_log) = a, b
+    check_against_stock(got, ref, step_flips(got_log, ref_log, len(ref)), lambda: control(start), what)
 
 
 def _worker(rank, world, tmp):
@@ -69,23 +92,27 @@ def _worker(rank, world, tmp):
     from megatron_rails.demo.train import dispatcher_metrics
 
     torch.set_num_threads(1)
+    from flips import Control
+
     stock = _build("stock", world)
     stock_keys = set(stock.state_dict())
-    stock_full = _train(stock, STEPS, rank, world)
+    stock_full, stock_log = _logged(stock, STEPS, rank, world)
+    control = Control(lambda: _control(rank, world), stock_log, STEPS)
     stock_half = _build("stock", world)
     _train(stock_half, HALF, rank, world)
     stock_ckpt = _save_load(stock_half, f"{tmp}/stock-{rank}.pt")
     for i, case in enumerate(CASES):
         name = "/".join(case)
         model = _build(case, world)
-        full = _train(model, STEPS, rank, world)
+        full, full_log = _logged(model, STEPS, rank, world)
         if case[0] != "none":  # the skewed routing made the policy use replicas (summed over ranks)
             used = torch.tensor([float(sum(r["replicas_used"] for layer in dispatcher_metrics(model) for r in layer))])
             torch.distributed.all_reduce(used)
             assert used.item() > 0, f"{name}: no replica used in {STEPS} steps"
         again = _train(_build(case, world), STEPS, rank, world)
         assert again == full, f"{name}: two identical runs differ\n{full}\n{again}"
-        _close(full, stock_full, f"{name} vs stock")
+        _close((full, full_log), (stock_full, stock_log), f"{name} vs stock", control)
+        rest = (full[HALF:], full_log.slice(HALF))  # the uninterrupted run's steps after the save
 
         model = _build(case, world)
         assert _train(model, HALF, rank, world) == full[:HALF]
@@ -97,18 +124,19 @@ def _worker(rank, world, tmp):
 
         into_stock = _build("stock", world)
         into_stock.load_state_dict(ckpt, strict=True)
-        _close(_train(into_stock, STEPS - HALF, rank, world, start=HALF), full[HALF:], f"{name} -> stock resume")
+        _close(_logged(into_stock, STEPS - HALF, rank, world, start=HALF), rest, f"{name} -> stock resume",
+               control, HALF)
 
         from_stock = _build(case, world)
         from_stock.load_state_dict(stock_ckpt, strict=True)
-        _close(_train(from_stock, STEPS - HALF, rank, world, start=HALF), stock_full[HALF:],
-               f"stock -> {name} resume")
+        _close(_logged(from_stock, STEPS - HALF, rank, world, start=HALF),
+               (stock_full[HALF:], stock_log.slice(HALF)), f"stock -> {name} resume", control, HALF)
 
         other = CASES[(i + 2) % len(CASES)]  # switch policy (and comm) between save and resume
         switched = _build(other, world)
         switched.load_state_dict(ckpt, strict=True)
-        _close(_train(switched, STEPS - HALF, rank, world, start=HALF), full[HALF:],
-               f"{name} -> {'/'.join(other)} resume")
+        _close(_logged(switched, STEPS - HALF, rank, world, start=HALF), rest,
+               f"{name} -> {'/'.join(other)} resume", control, HALF)
 
 
 def test_checkpoints_and_determinism_every_policy(tmp_path):
