@@ -122,7 +122,8 @@ def print_report(summary: dict, policy: str, comm: str, ranks: int, G: int, step
     con.print(t)
     note(con, f"max/mean: tokens on the busiest rank / mean, stock placement (policy none) and {policy}; "
               f"MB/step: bytes sent per optimizer step; plan us p50: median planner time per call")
-    note(con, f"loss parity: max |none - {policy}| = {summary['loss_max_abs_diff']:.2e} "
+    note(con, f"loss parity against none (this dispatcher with stock placement; not stock Megatron-Core): "
+              f"max |none - {policy}| = {summary['loss_max_abs_diff']:.2e} "
               f"(rel {summary['loss_max_rel_diff']:.2e}); loss {summary['loss_first']:.4f} -> "
               f"{summary['loss_last']:.4f}")
     note(con, f"step time (median, {microbatches} microbatches): none {summary['step_ms_none']:.0f} ms, {policy} "
