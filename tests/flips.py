@@ -112,11 +112,16 @@ def check_run(got: list, ref: list, flips: np.ndarray, control: np.ndarray, what
         g, r = np.atleast_1d(np.asarray(got_I[i], float)), np.atleast_1d(np.asarray(ref_I[i], float))
         assert g.shape == r.shape and np.all(np.abs(g - r) <= atol + rtol * np.abs(r)), \
             f"{what}: step {i} (before any routing flip) differs from stock:\n{ref_I[:first]}\n{got_I[:first]}"
+    check_bound(flips, control, what)
+    return first
+
+
+def check_bound(flips: np.ndarray, control: np.ndarray, what: str) -> None:
+    """The run's flips (per step, [I]) at most 2 x the control's + SLACK."""
     bound = 2 * int(control.sum()) + SLACK
     assert flips.sum() <= bound, \
         f"{what}: {int(flips.sum())} routing flips against stock (per step {flips.tolist()}), more than " \
         f"2 x stock alltoall's own {int(control.sum())} (per step {control.tolist()}) + {SLACK}"
-    return first
 
 
 def check_against_stock(got: list, ref: list, flips: np.ndarray, control, what: str, rtol: float = 1e-5,
