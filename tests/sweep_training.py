@@ -217,31 +217,6 @@ def _microbatches(step: int, c: dict, u: torch.Tensor, scale: float = 1.0) -> li
     return out
 
 
-def _control(ep: int, c: dict, u: torch.Tensor, start: list, ddp, step, ref) -> np.ndarray:
-    """[STEPS] flips per step of stock alltoall against the reference's log `ref`: the same
-    weights, data, schedule and evaluation forwards (tests/flips.py's control)."""
-    from flips import RoutingLog, flips_per_forward, stock_alltoall
-
-    with stock_alltoall():
-        chunks = _chunks(ep, c, u, None, "alltoall")
-        for mine, theirs in zip(chunks, start):
-            mine.layer.load_state_dict(theirs)
-        log = RoutingLog([m.layer for m in chunks])
-        run = ddp(chunks)
-        ends = []
-        for k in range(STEPS):
-            step(run, _microbatches(k, c, u))
-            evals = _microbatches(k, c, u, scale=1.1)[:c.get("pp", 1)]
-            with torch.no_grad():
-                if c.get("pp", 1) == 1:
-                    run[0][0](evals[0][0])
-                else:
-                    step(run, evals, True)
-            ends.append(len(log.maps[0]))
-    flips_C = flips_per_forward(log, ref)
-    return np.array([flips_C[a:b].sum() for a, b in zip([0] + ends[:-1], ends)])
-
-
 def run_case(rank: int, ep: int, c: dict) -> None:
     """Train case `c` with both dispatchers; AssertionError at the first mismatch."""
     import torch.distributed as dist
@@ -249,7 +224,7 @@ def run_case(rank: int, ep: int, c: dict) -> None:
 
     from cpu_experts import CpuGroupedLinear
     from ddp_harness import full_params, megatron_ddp, schedule_step
-    from flips import SLACK, RoutingLog, check_bound, flips_per_forward
+    from flips import SLACK, RoutingLog, check_bound, flips_per_forward, stock_alltoall
 
     # TE's fused weight-gradient accumulation: the stock experts' weight gradients go straight into
     # DDP's main_grad (both runs; the rails run's slots borrow weights through their own path)
@@ -274,6 +249,7 @@ def run_case(rank: int, ep: int, c: dict) -> None:
     # near-tie routing flips; from then on the flips are counted and bounded by stock alltoall's own
     logs = {name: RoutingLog([m.layer for m in chunks]) for name, chunks in models.items()}
     seen, flipped = [0], np.zeros(STEPS, dtype=np.int64)  # forwards counted; flips per step
+    ends = []  # the forwards each router made by the end of step k (its evaluation included)
 
     def new_flips(k) -> int:
         """Tokens routed differently from stock in the forwards since the last call (all ranks')."""
@@ -296,8 +272,16 @@ def run_case(rank: int, ep: int, c: dict) -> None:
         return ((out - microbatch[1]) ** 2).mean()
 
     def step(name, mbs, forward_only=False):
-        ddps, opt = runs[name] if isinstance(name, str) else name
+        ddps, opt = runs[name]
         return schedule_step(ddps, opt, mbs, forward_fn, loss_fn, seq_length=c["tokens"], forward_only=forward_only)
+
+    def evaluate(name, k):
+        """An evaluation forward after step k: no optimizer, no backward (the interleaved schedule
+        wants at least pp microbatches: the step's first ones, scaled)."""
+        evals = _microbatches(k, c, u, scale=1.1)[:c.get("pp", 1)]
+        if c.get("pp", 1) == 1:  # the output itself
+            return runs[name][0][0](evals[0][0])
+        return torch.tensor(step(name, evals, True))  # through the pipeline: the last stage's losses
 
     close = dict(rtol=1e-5, atol=1e-5)
     initial = [{n: p.detach().clone() for n, p in m.layer.experts.named_parameters()} for m in models["stock"]]
@@ -328,29 +312,34 @@ def run_case(rank: int, ep: int, c: dict) -> None:
                                        msg=lambda m: f"rank {rank} step {k}: losses\n{m}")
         if strict and not c["overlap_param_gather"]:
             check_params(k)
-        # an evaluation forward between steps: no optimizer, no backward
-        # (the interleaved schedule wants at least pp microbatches; the step's first ones, scaled)
-        evals = _microbatches(k, c, u, scale=1.1)[:c.get("pp", 1)]
-
-        def evaluate(name):
-            if c.get("pp", 1) == 1:  # the output itself
-                return runs[name][0][0](evals[0][0])
-            return torch.tensor(step(name, evals, True))  # through the pipeline: the last stage's losses
-
         with torch.no_grad():
-            want, got = evaluate("stock"), evaluate("rails")
+            want, got = evaluate("stock", k), evaluate("rails", k)
         strict = new_flips(k) == 0 and not flipped.any()
         if strict:
             torch.testing.assert_close(got, want, **close, msg=lambda m: f"rank {rank} step {k}: no_grad forward\n{m}")
         with torch.inference_mode(), logs["rails"].paused():  # a forward the stock run does not make
-            got = evaluate("rails")
+            got = evaluate("rails", k)
+        ends.append(seen[0])
         if strict:
             torch.testing.assert_close(got, want, **close,
                                        msg=lambda m: f"rank {rank} step {k}: inference_mode forward\n{m}")
         if strict and c["overlap_param_gather"]:  # the evaluation forward finished the step's parameter all-gather
             check_params(k)
     if flipped.sum() > SLACK or c.get("control"):
-        check_bound(flipped, _control(ep, c, u, start, ddp, step, logs["stock"]), f"rank {rank}: {c}")
+        # tests/flips.py's control: stock alltoall from the same weights, data, schedule and evaluations
+        with stock_alltoall():
+            chunks = _chunks(ep, c, u, None, "alltoall")
+            for mine, theirs in zip(chunks, start):
+                mine.layer.load_state_dict(theirs)
+            log = RoutingLog([m.layer for m in chunks])
+            runs["control"] = ddp(chunks)
+            for k in range(STEPS):
+                step("control", _microbatches(k, c, u))
+                with torch.no_grad():
+                    evaluate("control", k)
+        flips_C = flips_per_forward(log, logs["stock"])
+        check_bound(flipped, np.array([flips_C[a:b].sum() for a, b in zip([0] + ends[:-1], ends)]),
+                    f"rank {rank}: {c}")
 
 
 def _worker(rank: int, world: int, ep: int, cases: list, tp: int = 1, pp: int = 1, cp: int = 1,

@@ -14,38 +14,44 @@ from moe_harness import spawn
 STEPS, MICRO = 6, 2
 
 
-def _run(rank, world, kind: str, mutate=None):
-    """(per-step losses, RoutingLog) of `kind`: stock allgather, stock alltoall or a policy YAML."""
+def _model(world, kind: str):
+    """The demo trainer's model under `kind`: stock allgather, stock alltoall or a policy preset."""
     import dataclasses
 
     import flips
     import megatron_rails
     from megatron_rails.core.policy import as_policy
-    from megatron_rails.demo.train import DemoShape, build_model, train_steps
+    from megatron_rails.demo.train import DemoShape, build_model
+
+    if kind == "allgather":
+        return build_model(DemoShape(), world, "allgather")
+    if kind == "alltoall":
+        with flips.stock_alltoall():
+            return build_model(DemoShape(), world, "alltoall")
+    megatron_rails.install(dataclasses.replace(as_policy(kind), ranks_per_node=2))
+    try:
+        return build_model(DemoShape(), world, "alltoall")
+    finally:
+        megatron_rails.uninstall()
+
+
+def _run(rank, world, kind: str, mutate=None):
+    """(per-step losses, RoutingLog) of `kind` (see _model); mutate: a function applied to the
+    rails dispatcher's combined output [S, B, H] (a broken dispatcher)."""
+    import contextlib
+
+    import flips
+    from megatron_rails.demo.train import DemoShape, train_steps
     from megatron_rails.megatron.dispatcher import RailsTokenDispatcher
 
-    shape = DemoShape()
-    if kind == "allgather":
-        model = build_model(shape, world, "allgather")
-    elif kind == "alltoall":
-        with flips.stock_alltoall():
-            model = build_model(shape, world, "alltoall")
-    else:
-        megatron_rails.install(dataclasses.replace(as_policy(kind), ranks_per_node=2))
-        try:
-            model = build_model(shape, world, "alltoall")
-        finally:
-            megatron_rails.uninstall()
+    model = _model(world, kind)
     log = flips.RoutingLog(model)
     old = RailsTokenDispatcher.combine_postprocess
     if mutate:
         RailsTokenDispatcher.combine_postprocess = lambda self, h: mutate(old(self, h))
     try:
-        if kind == "alltoall":
-            with flips.stock_alltoall():
-                losses, _ = train_steps(model, shape, STEPS, rank, world, microbatches=MICRO)
-        else:
-            losses, _ = train_steps(model, shape, STEPS, rank, world, microbatches=MICRO)
+        with flips.stock_alltoall() if kind == "alltoall" else contextlib.nullcontext():
+            losses, _ = train_steps(model, DemoShape(), STEPS, rank, world, microbatches=MICRO)
     finally:
         RailsTokenDispatcher.combine_postprocess = old
     log.close()

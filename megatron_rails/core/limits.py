@@ -9,12 +9,11 @@ MAX_RANKS = 4096    # ranks of one expert-parallel group (twice the simulator's 
 MAX_WINDOW = 1 << 20  # steps of eplb's history window and re-planning interval
 
 
-def cores_for_ranks(ranks: int) -> int:
-    """The cores this process may run on, when `ranks` CPU ranks each get their own (ranks sharing a
-    core cannot show stragglers: only their total work would count); else a ValueError in one line."""
+def cores_for_ranks(ranks: int) -> None:
+    """A ValueError in one line unless `ranks` CPU ranks can each get a core of their own among those
+    this process may run on (ranks sharing a core cannot show stragglers: only total work counts)."""
     cores = len(os.sched_getaffinity(0))
     if ranks < 1 or ranks > cores:
         raise ValueError(f"--ranks {ranks}: this machine gives us {cores} core{'s' if cores != 1 else ''} and "
                          f"every rank needs its own (ranks sharing a core cannot show stragglers); use --ranks "
                          f"1..{cores}")
-    return cores
