@@ -100,17 +100,20 @@ def cpu_megatron():
 
 def skewed_chunk(world: int, policy: str, u: torch.Tensor, experts: int, bias: bool = False):
     """A one-MoE-layer model chunk (seeded: equal weights under every policy) for DDP tests:
-    `policy` "stock" (the stock allgather dispatcher) or a rails policy (alltoall config; slots 2,
-    direct comm, tolerance 0); world: the config's EP size; the router pushed towards the rows of
-    u [experts, H] float32 so that inputs along them skew the routing; bias: add_bias_linear."""
+    `policy` "stock" (the stock allgather dispatcher), "stock-alltoall" (trained inside
+    flips.stock_alltoall()) or a rails policy (alltoall config; slots 2, direct comm, tolerance 0);
+    world: the config's EP size; the router pushed towards the rows of u [experts, H] float32 so
+    that inputs along them skew the routing; bias: add_bias_linear."""
     import megatron_rails
+    from flips import stock_alltoall
     from moe_harness import build_moe_layer, moe_config
 
     cfg = moe_config(world, "allgather" if policy == "stock" else "alltoall", experts=experts)
     cfg.add_bias_linear = bias
     torch.manual_seed(7)
-    if policy == "stock":
-        layer = build_moe_layer(cfg)
+    if policy in ("stock", "stock-alltoall"):
+        with stock_alltoall():
+            layer = build_moe_layer(cfg)
     else:
         megatron_rails.install({"policy": policy, "slots": 2, "comm": "direct", "tolerance": 0.0})
         try:

@@ -16,66 +16,23 @@ counts the tokens whose expert set differs from the reference's at the same laye
 step, and `check_run` applies the rule: steps before the first flip match the reference tightly,
 and the test run's flips are bounded by the control's.
 
-`stock_alltoall()` lets Megatron-Core's stock alltoall dispatcher run on CPU gloo ranks: it needs
-stand-ins only around its device-to-host copy of the split sizes (../shared/DESIGN.md, 7).
+`stock_alltoall()` (megatron_rails.megatron.cpu_shims) lets Megatron-Core's stock alltoall dispatcher
+run on CPU gloo ranks; `RoutingLog` is megatron_rails.megatron.routing_log's.
 """
 from __future__ import annotations
-
-import contextlib
 
 import numpy as np
 import torch
 import torch.distributed as dist
+
+from megatron_rails.megatron.cpu_shims import stock_alltoall  # noqa: F401  (the tests' stand-ins)
+from megatron_rails.megatron.routing_log import RoutingLog
 
 # flips a run under test may have beyond 2 x the control's: a near tie or two can flip in one pair
 # of rounding-level runs and not in another (the control had none, the run one); a real divergence
 # (tokens dropped or misrouted) makes many more, since from its first microbatch on every later
 # router sees different weights
 SLACK = 2
-
-
-class RoutingLog:
-    """Every MoE router's top-k expert choice of `model`, per training or evaluation forward:
-    `maps[y][c]` is router y's routing map (bool [T, E], this rank's tokens) at its c-th forward.
-    Recomputed forwards (activation recompute runs inside a backward pass) are not recorded: they
-    repeat a recorded one. `close()` removes the hooks."""
-
-    def __init__(self, models=None, maps=None):
-        if maps is not None:  # a slice of another log
-            self.maps, self._hooks, self._paused = maps, [], False
-            return
-        models = models if isinstance(models, (list, tuple)) else [models]
-        routers = [m for model in models for m in model.modules() if type(m).__name__ == "TopKRouter"]
-        assert routers, "no TopKRouter in the model"
-        self.maps: list[list[torch.Tensor]] = [[] for _ in routers]
-        self._hooks = [r.register_forward_hook(self._hook(y)) for y, r in enumerate(routers)]
-        self._paused = False
-
-    def _hook(self, y: int):
-        def record(module, args, out):
-            if self._paused or torch._C._current_graph_task_id() != -1:  # a recompute inside the backward pass
-                return
-            routing_map_TE = out[1]
-            self.maps[y].append(routing_map_TE.detach().bool().clone())
-
-        return record
-
-    @contextlib.contextmanager
-    def paused(self):
-        """Forwards inside are not recorded (an evaluation forward one run makes and another not)."""
-        self._paused = True
-        try:
-            yield
-        finally:
-            self._paused = False
-
-    def slice(self, first: int, end: int | None = None) -> "RoutingLog":
-        """The forwards [first, end) of every router (a resumed run's part of a whole run)."""
-        return RoutingLog(maps=[m[first:end] for m in self.maps])
-
-    def close(self) -> None:
-        for h in self._hooks:
-            h.remove()
 
 
 def flips_per_forward(got: RoutingLog, ref: RoutingLog) -> np.ndarray:
@@ -161,42 +118,26 @@ class Control:
         return self._flips[start:]
 
 
-class _HostStream:
-    """The one host 'stream' the stock alltoall dispatcher copies its split sizes on: host work
-    is ordered already, so waits are no-ops and its event is always complete."""
+class Online:
+    """The rule applied as a test goes, for tests that compare every microbatch or step at once:
+    the run under test, the reference (stock allgather) and the control (stock alltoall) trained
+    side by side, each with its RoutingLog. `update()` after each compared forward (or several)
+    counts the new forwards' flips of the run and of the control (collectives: every rank calls
+    it at the same points) and says whether tight checks still hold (no flip of the run yet);
+    `check(what)` at the end bounds the run's flips by the control's."""
 
-    def wait_stream(self, stream):
-        pass
+    def __init__(self, got: RoutingLog, ref: RoutingLog, control: RoutingLog):
+        self.logs, self.seen, self.flips, self.control = (got, ref, control), 0, 0, 0
 
-    def record_event(self):
-        return self
+    def update(self) -> bool:
+        got, ref, ctl = self.logs
+        end = len(ref.maps[0])
+        self.flips += int(flips_per_forward(got.slice(self.seen, end), ref.slice(self.seen, end)).sum())
+        self.control += int(flips_per_forward(ctl.slice(self.seen, end), ref.slice(self.seen, end)).sum())
+        self.seen = end
+        return self.flips == 0
 
-    def synchronize(self):
-        pass
-
-
-def _to_host(tensor, as_numpy: bool = False, record_stream: bool = False):
-    # stock moves only CUDA tensors (and only then makes numpy arrays): on the CPU the split sizes
-    # stayed tensors, which gloo's all_to_all_single refuses as split sizes
-    if torch.is_tensor(tensor) and as_numpy:
-        return tensor.cpu().numpy()
-    return tensor
-
-
-@contextlib.contextmanager
-def stock_alltoall():
-    """Megatron-Core's stock MoEAlltoAllTokenDispatcher runnable on CPU while inside (layers built
-    and run inside; megatron_rails.megatron.cpu_shims already applied). Restores everything."""
-    from megatron.core.transformer.moe import token_dispatcher as td
-
-    cls = td.MoEAlltoAllTokenDispatcher
-    stream = _HostStream()
-    old = (cls.cuda_dtoh_stream, td.maybe_move_tensor_to_cpu, torch.cuda.current_stream, torch.cuda.stream)
-    cls.cuda_dtoh_stream = stream  # else __init__ makes a torch.cuda.Stream()
-    td.maybe_move_tensor_to_cpu = _to_host
-    torch.cuda.current_stream = lambda device=None: stream  # the copy then runs "on the current stream"
-    torch.cuda.stream = lambda s: contextlib.nullcontext()
-    try:
-        yield
-    finally:
-        cls.cuda_dtoh_stream, td.maybe_move_tensor_to_cpu, torch.cuda.current_stream, torch.cuda.stream = old
+    def check(self, what: str) -> None:
+        check_bound(np.array([self.flips]), np.array([self.control]), what)
+        for log in self.logs:
+            log.close()

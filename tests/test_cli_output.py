@@ -122,13 +122,16 @@ def test_demo_report_fits_80_columns(capsys, monkeypatch):
     layer = {"max_over_mean_before": 1.807, "max_over_mean_after": 1.019, "token_bytes_per_step": 1.3e6,
              "weight_bytes_per_step": 15.7e6, "plan_us_p50": 596.0}
     summary = {"layers": [dict(layer, layer=i) for i in range(4)], "loss_max_abs_diff": 0.0,
-               "loss_max_rel_diff": 0.0, "loss_first": 5.9, "loss_last": 3.4, "step_ms_none": 3408.0,
-               "step_ms_policy": 3934.0}
+               "loss_max_rel_diff": 3e-4, "loss_max_rel_diff_before_flip": 4e-8, "first_flip_step": 12,
+               "routing_flips_per_step": [0] * 12 + [3] * 8, "routings_per_step": 16384, "loss_first": 5.9,
+               "loss_last": 3.4, "step_ms_stock": 3408.0, "step_ms_policy": 3934.0}
     print_report(summary, "ultraep", "rails", 4, 2, 20, 4, True)
     out = capsys.readouterr().out
     h = check_fits(out)
     assert h == ["layer", "max/mean stock", "max/mean ultraep", "token MB/step", "weight MB/step", "plan us p50"]
-    assert "loss parity" in out and "more weight bytes than token bytes" in out
+    text = " ".join(out.split())
+    assert "loss parity against stock" in text and "more weight bytes than token bytes" in text
+    assert "the 12 steps before the first routing flip within 4.0e-08" in text and "24 of 327680" in text
 
 
 def test_simulate_run_cross_node_fits_80_columns_with_the_dedup_note():

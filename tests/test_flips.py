@@ -75,6 +75,10 @@ def _hand_count(rank, world):
     got[0][1][: rank + 1] = ~got[0][1][: rank + 1]
     want = np.array([0, sum(range(1, world + 1)), 0])
     assert flips.flips_per_forward(Log(got), Log(ref)).tolist() == want.tolist()
+    # the demo's count: the same, from every rank's maps gathered
+    from megatron_rails.megatron.routing_log import RoutingLog, flips_per_forward
+
+    assert flips_per_forward(RoutingLog(maps=got).gathered(), RoutingLog(maps=ref).gathered()).tolist() == want.tolist()
 
 
 def _stock_pair(rank, world):

@@ -6,7 +6,8 @@ combination of overlap_grad_reduce and the distributed optimizer, overlap_param_
 Megatron's activation recompute. The slot gradients must reach the owners (shards) before DDP
 reduces them: with overlap_grad_reduce from inside the last backward, before the owners' gradient
 ready hooks; without it before finish_grad_sync. Losses of every microbatch and, where the
-parameters are current after the step, every parameter in stock layout equal stock's to 1e-5.
+parameters are current after the step, every parameter in stock layout equal stock's to 1e-5,
+until the first near-tie routing flip (tests/flips.py's rule, a stock alltoall control beside).
 Slots are fetched once per step (DDP's no_sync marks the microbatches that accumulate). The
 stores' step buffers come from kept blocks here (runtime/hostbuf.py, at every size).
 """
@@ -56,6 +57,7 @@ def _loss_fn(recompute):
 
 def _worker(rank, world, policies):
     from ddp_harness import cpu_megatron, full_params, megatron_ddp, train_step
+    from flips import Online, RoutingLog, stock_alltoall
 
     from megatron_rails.runtime import hostbuf
 
@@ -70,8 +72,10 @@ def _worker(rank, world, policies):
                 kind = "adam" if dopt else "sgd"
                 where = f"{policy}: overlap_grad_reduce={ogr} distopt={dopt} overlap_param_gather={opg} " \
                         f"recompute={recompute} rank {rank}"
-                models = {p: _build(world, p, u) for p in ("stock", policy)}
-                models[policy].layer.load_state_dict(models["stock"].layer.state_dict())
+                models = {p: _build(world, p, u) for p in ("stock", policy, "stock-alltoall")}
+                for p in (policy, "stock-alltoall"):
+                    models[p].layer.load_state_dict(models["stock"].layer.state_dict())
+                rule = Online(*(RoutingLog(models[p]) for p in (policy, "stock", "stock-alltoall")))
                 grad_bytes = []  # fsep: storage of the shards' .grad when DDP's gradient-ready hook sees it
                 if policy == "fsep":  # registered before DDP's hook on the same node, so it runs first
                     shards = models[policy].layer.experts.rails_fsep_shards
@@ -92,8 +96,12 @@ def _worker(rank, world, policies):
                     n_records = len(disp.metrics)
                     want = train_step(*trained["stock"], mbs, loss_fn)
                     got = train_step(*trained[policy], mbs, loss_fn)
-                    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=1e-5,
-                                               msg=lambda m: f"{where} step {step}: losses\n{m}")
+                    with stock_alltoall():
+                        train_step(*trained["stock-alltoall"], mbs, loss_fn)
+                    strict = rule.update()  # no routing flip yet
+                    if strict:
+                        torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=1e-5,
+                                                   msg=lambda m: f"{where} step {step}: losses\n{m}")
                     records = list(disp.metrics)[n_records:]
                     fetched = [r["slots_fetched"] for r in records]
                     assert len(records) == len(mbs) and fetched[0] and not any(fetched[1:]), \
@@ -103,7 +111,7 @@ def _worker(rank, world, policies):
                         took = max([b or 0 for b in grad_bytes], default=None)
                         assert took is not None and took <= shards.element_size(), \
                             f"{where} step {step}: the shards' .grad took {took} bytes (None: DDP's hook never ran)"
-                    if not opg:  # parameters are current after the step (no all-gather pending)
+                    if strict and not opg:  # parameters are current after the step (no all-gather pending)
                         ref = full_params(trained["stock"][0])
                         # equal parameters show something only where training moved them
                         assert all(not torch.equal(ref[f"layer.{n}"], v) for n, v in initial.items()), \
@@ -113,6 +121,7 @@ def _worker(rank, world, policies):
                             k = k[len("layer."):]
                             torch.testing.assert_close(state[k], v, rtol=1e-5, atol=1e-5,
                                                        msg=lambda m: f"{where} step {step}: {k}\n{m}")
+                rule.check(where)
 
 
 @pytest.mark.parametrize("policy", ["ultraep", "fsep"])

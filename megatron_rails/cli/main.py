@@ -399,8 +399,8 @@ def _add_soak(sub) -> None:
 def _add_demo(sub) -> None:
     from ..core import presets
 
-    d = sub.add_parser("demo", help="train a tiny Mixtral-shaped model on CPU ranks, one core each: none vs the "
-                                    "configured policy")
+    d = sub.add_parser("demo", help="train a tiny Mixtral-shaped model on CPU ranks, one core each: stock "
+                                    "Megatron-Core vs the configured policy")
     d.add_argument("--config", type=in_file("--config", "a policy YAML or a preset name"),
                    help="policy YAML or preset name (" + ", ".join(presets.names(presets.POLICY_DIR))
                    + "; default: the shipped default policy)")

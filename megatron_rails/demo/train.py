@@ -30,7 +30,10 @@ import torch
 import torch.distributed as dist
 
 from ..core.policy import as_policy
+from ..core.outfile import open_for_writing
 from ..megatron import models
+from ..megatron.cpu_shims import stock_alltoall
+from ..megatron.routing_log import RoutingLog
 from ..megatron.install import install, uninstall
 
 
@@ -142,9 +145,8 @@ def from_run_config(path: str, overrides=()):
          (t.weight_decay, t.clip_grad, t.lr_warmup_iters, t.lr_decay_style) != (0, 0, 0, "constant")),
         ("training", "the demo trainer trains in fp32: bf16 and fp16 false", t.bf16 or t.fp16),
         ("data.vocab_size", "required (the synthetic token stream's vocabulary)", not d.vocab_size),
-        ("model.moe_token_dispatcher_type", ("without a balancer use allgather (the stock alltoall dispatcher "
-                                             "needs CUDA)"),
-         rc.balancer is None and m.moe_token_dispatcher_type != "allgather"),
+        ("model.moe_token_dispatcher_type", "without a balancer: alltoall or allgather (stock Megatron-Core's)",
+         rc.balancer is None and m.moe_token_dispatcher_type not in ("alltoall", "allgather")),
     ]
     bad = [f"{key}: {why}" for key, why, violated in rules if violated]
     bad += [f"model.{k}: the demo trainer's model has {v!r}, the config says {getattr(m, k)!r}"
@@ -212,7 +214,9 @@ def dispatcher_metrics(model) -> list[list[dict]]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--policy", help="stock (allgather dispatcher) or a megatron-rails policy (default none)")
+    ap.add_argument("--policy", help=("stock (Megatron-Core's alltoall dispatcher; on CPU through the stand-ins of "
+                                      "megatron_rails.megatron.cpu_shims), stock-allgather, or a megatron-rails "
+                                      "policy (default none)"))
     ap.add_argument("--config", help="policy YAML (overrides --policy)")
     ap.add_argument("--slots", type=int, help="R for --policy (default 2)")
     ap.add_argument("--steps", type=int, help="optimizer steps (default 20)")
@@ -227,10 +231,11 @@ def main(argv=None) -> int:
                     help="pin every rank to a core of its own (refused with more ranks than cores)")
     ap.add_argument("--timeout-s", type=float, default=600.0,
                     help="process-group timeout: a collective waiting longer on a dead or stuck rank fails")
+    ap.add_argument("--routing", help="write every router's top-k choice per forward, all ranks (npz: maps)")
     ap.add_argument("--out", required=True)
     ap.add_argument("overrides", nargs="*", help="run-config overrides, e.g. training.train_iters=5")
     args = ap.parse_args(argv)
-    rc, seed, opt = None, 1234, None
+    rc, seed, opt, stock = None, 1234, None, None
     if args.run_config:
         mixed = [f for f in ("policy", "config", "slots", "steps", "ranks_per_node") if getattr(args, f) is not None]
         if mixed:
@@ -257,15 +262,19 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     if rc is not None:
         if rc.balancer is None:
-            model = build_model(shape, world, rc.model.moe_token_dispatcher_type, seed=seed)
+            stock = rc.model.moe_token_dispatcher_type
+            with stock_alltoall() if stock == "alltoall" else contextlib.nullcontext():
+                model = build_model(shape, world, stock, seed=seed)
         else:
             install(rc.balancer)
             model = build_model(shape, world, "alltoall", seed=seed)
             uninstall()
         t = rc.training
         opt = make_optimizer(model, t.optimizer, lr=t.lr, betas=(t.adam_beta1, t.adam_beta2))
-    elif args.policy == "stock" and not args.config:
-        model = build_model(shape, world, "allgather")
+    elif args.policy in ("stock", "stock-allgather") and not args.config:
+        stock = "alltoall" if args.policy == "stock" else "allgather"
+        with stock_alltoall():
+            model = build_model(shape, world, stock)
     else:
         cfg = args.config or {"policy": args.policy or "none", "slots": 2 if args.slots is None else args.slots,
                               "ranks_per_node": 2}
@@ -283,8 +292,14 @@ def main(argv=None) -> int:
         if rank == 0:
             print(f"[{label}] step {step + 1}/{steps} loss {loss:.5f} ({step_s * 1e3:.0f} ms)", flush=True)
 
-    losses, _ = train_steps(model, shape, steps, rank, world, opt=opt, on_step=progress,
-                            microbatches=args.microbatches)
+    log = RoutingLog(model) if args.routing else None
+    with stock_alltoall() if stock == "alltoall" else contextlib.nullcontext():
+        losses, _ = train_steps(model, shape, steps, rank, world, opt=opt, on_step=progress,
+                                microbatches=args.microbatches)
+    maps_YCDTE = log.gathered() if log else None
+    if rank == 0 and log:
+        with open_for_writing(args.routing, "wb") as f:  # np.savez(str) would append .npz to other names
+            np.savez_compressed(f, maps=maps_YCDTE)
     if rank == 0:
         out = {"policy": label, "world": world, "losses": losses, "step_s": times, "microbatches": args.microbatches,
                "layers": dispatcher_metrics(model)}

@@ -10,6 +10,10 @@ megatron-core 0.16.1 on CPU needs:
 * activation recompute (`tensor_parallel.checkpoint`) saves and restores the CUDA RNG state: on CPU
   there is none, so getting it gives an empty tensor and setting it does nothing (the CPU RNG state,
   which the CPU ops draw from, is still saved and restored).
+
+`stock_alltoall()` is apart: stand-ins around the stock alltoall dispatcher's device-to-host copy of
+its split sizes, so that dispatcher, too, runs on gloo (the baseline the benchmarks and the demo
+time; equal to stock allgather there: tests/test_flips.py).
 """
 from __future__ import annotations
 
@@ -65,3 +69,47 @@ def revert() -> None:
             delattr(obj, name)
         else:
             setattr(obj, name, old)
+
+
+class _HostStream:
+    """The one host 'stream' the stock alltoall dispatcher copies its split sizes on: host work
+    is ordered already, so waits are no-ops and its event is always complete."""
+
+    def wait_stream(self, stream):
+        pass
+
+    def record_event(self):
+        return self
+
+    def synchronize(self):
+        pass
+
+
+def _to_host(tensor, as_numpy: bool = False, record_stream: bool = False):
+    # stock moves only CUDA tensors (and only then makes numpy arrays): on the CPU the split sizes
+    # stayed tensors, which gloo's all_to_all_single refuses as split sizes
+    if torch.is_tensor(tensor) and as_numpy:
+        return tensor.cpu().numpy()
+    return tensor
+
+
+@contextlib.contextmanager
+def stock_alltoall():
+    """Megatron-Core's stock MoEAlltoAllTokenDispatcher runnable on CPU while inside (layers built
+    and run inside; `apply()` done). Restores everything; with CUDA, changes nothing."""
+    if torch.cuda.is_available():
+        yield
+        return
+    from megatron.core.transformer.moe import token_dispatcher as td
+
+    cls = td.MoEAlltoAllTokenDispatcher
+    stream = _HostStream()
+    old = (cls.cuda_dtoh_stream, td.maybe_move_tensor_to_cpu, torch.cuda.current_stream, torch.cuda.stream)
+    cls.cuda_dtoh_stream = stream  # else __init__ makes a torch.cuda.Stream()
+    td.maybe_move_tensor_to_cpu = _to_host
+    torch.cuda.current_stream = lambda device=None: stream  # the copy then runs "on the current stream"
+    torch.cuda.stream = lambda s: contextlib.nullcontext()
+    try:
+        yield
+    finally:
+        cls.cuda_dtoh_stream, td.maybe_move_tensor_to_cpu, torch.cuda.current_stream, torch.cuda.stream = old
