@@ -1,16 +1,27 @@
-"""`megatron-rails bench step`: refuses more ranks than cores in one line; a quick run writes every
-(routing, policy) row with the issue's fields, and its figures hang together: `none` is its own
-reference, the forced-balanced routing really is balanced, fsep fetches its slots once per step
-(less than per-microbatch movement would send) and weights move only for balancing policies; its
-progress on stderr is clean (no warnings) and 80 columns wide."""
+"""`megatron-rails bench step`: refuses more ranks than cores and unknown workloads in one line; a
+quick run writes every (workload, policy) row with the issue's fields, and its figures hang
+together: stock is its own reference and moves no weights, the balanced workload is balanced and
+its stock row is the ideal, stock's max/mean is the workload's (recomputed here from the counts);
+its progress on stderr is clean (no warnings) and 80 columns wide. The bench's stock is stock:
+its outputs and gradients equal Megatron-Core's allgather dispatcher's under the same routing; and
+under the moving workloads every policy trains like it (3 optimizer steps, SGD): the routing is
+the workload's, so nothing may part, not even by a routing flip."""
 import json
 import os
 import subprocess
 import sys
 
+import numpy as np
+import pytest
+import torch
+
+from moe_harness import spawn
+
 CLI = [sys.executable, "-m", "megatron_rails.cli", "bench", "step"]
-FIELDS = {"policy", "skew", "step_ms_p50", "ratio_vs_none", "of_ideal", "max_over_mean_after",
-          "weight_bytes_per_step", "expert_bytes_per_rank"}
+FIELDS = {"policy", "workload", "step_ms_p50", "ratio_vs_stock", "ratio_vs_stock_q25", "ratio_vs_stock_q75",
+          "of_ideal", "stock_max_over_mean", "max_over_mean_after", "weight_bytes_per_step", "relayouts_per_step",
+          "expert_bytes_per_rank"}
+SMALL = dict(layers=2, hidden=16, ffn=32, experts=8, topk=2, tokens=24)
 
 
 def test_more_ranks_than_cores_is_refused(tmp_path):
@@ -24,39 +35,143 @@ def test_more_ranks_than_cores_is_refused(tmp_path):
     assert not (tmp_path / "s.json").exists()
 
 
-def test_rounds_out_of_range_is_refused(tmp_path):
-    p = subprocess.run(CLI + ["--out", str(tmp_path / "s.json"), "--rounds", "0"], capture_output=True, text=True,
-                       timeout=120)
+@pytest.mark.parametrize("args,says", [(["--rounds", "0"], "--rounds must be >= 1"),
+                                       (["--workloads", "zipf:1.3"], "unknown workload 'zipf:1.3'"),
+                                       (["--workloads", "burst,burst"], "'burst' twice"),
+                                       (["--workloads", "burst,"], "unknown workload ''")])
+def test_bad_options_are_refused(tmp_path, args, says):
+    p = subprocess.run(CLI + ["--out", str(tmp_path / "s.json"), *args], capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and "Traceback" not in p.stderr
-    assert "--rounds must be >= 1" in p.stderr.strip().splitlines()[-1], p.stderr
+    assert says in p.stderr.strip().splitlines()[-1], p.stderr
 
 
 def test_quick_run_rows(tmp_path):
+    from megatron_rails.core.step_workloads import counts_E
+
     out = tmp_path / "s.json"
     ranks = min(2, len(os.sched_getaffinity(0)))
-    p = subprocess.run(CLI + ["--out", str(out), "--ranks", str(ranks), "--microbatches", "2", "--quick"],
-                       capture_output=True, text=True, timeout=600)
+    workloads = ["balanced", "rotating", "zero"]
+    p = subprocess.run(CLI + ["--out", str(out), "--ranks", str(ranks), "--microbatches", "2", "--quick",
+                              "--workloads", ",".join(workloads)], capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
     # what the ranks and Megatron-Core's imports print stays out of the user's terminal; the progress
     # lines fit 80 columns
     assert "Warning" not in p.stderr and max(map(len, p.stderr.splitlines())) <= 80, p.stderr
     # the summary table too (stdout is a pipe here: 80 columns), one row per case
     assert max(map(len, p.stdout.splitlines())) <= 80, p.stdout
-    assert sum(ln.startswith(("uniform ", "zipf:", "balanced ")) for ln in p.stdout.splitlines()) == 24, p.stdout
+    assert sum(ln.startswith(tuple(f"{w} " for w in workloads)) for ln in p.stdout.splitlines()) == 21, p.stdout
     res = json.loads(out.read_text())
-    assert res["meta"]["reps"] == 1  # --quick: one timed round
-    rows = {(r["skew"], r["policy"]): r for r in res["rows"]}
-    skews = {"uniform", "zipf:1.2", "zipf:2.0", "balanced"}
-    policies = {"none", "eplb", "ultraep", "lp", "fsep", "default"}
-    assert set(rows) == {(s, p) for s in skews for p in policies}
-    for r in rows.values():
+    assert res["meta"]["reps"] == 1 and set(res["meta"]["workloads"]) == set(workloads)
+    rows = {(r["workload"], r["policy"]): r for r in res["rows"]}
+    policies = {"stock", "none", "eplb", "ultraep", "lp", "fsep", "default"}
+    assert set(rows) == {(w, p) for w in workloads for p in policies}
+    shape = res["meta"]["shape"]
+    for (w, policy), r in rows.items():
         assert FIELDS <= set(r) and r["step_ms_p50"] > 0 and r["expert_bytes_per_rank"] > 0
-        for name in ("ratio_vs_none", "of_ideal"):  # one round: its quartiles are the median
+        for name in ("ratio_vs_stock", "of_ideal"):  # one round: its quartiles are the median
             assert r[f"{name}_q25"] == r[name] == r[f"{name}_q75"]
-    for s in skews:
-        assert rows[(s, "none")]["ratio_vs_none"] == 1.0 and rows[(s, "none")]["weight_bytes_per_step"] == 0
-    assert rows[("balanced", "none")]["of_ideal"] == 1.0
-    assert abs(rows[("balanced", "none")]["max_over_mean_after"] - 1.0) < 1e-9
-    fsep = rows[("uniform", "fsep")]
+        # stock's max/mean from the workload's counts, every step, microbatch, layer (1 round, no warm-up)
+        E, T, k = shape["experts"], shape["tokens"], shape["topk"]
+        mm = []
+        for m in range(2):
+            for y in range(shape["layers"]):
+                load_E = sum(counts_E(w, 0, 0, m, y, d, T, E, k) for d in range(ranks))
+                load_D = [load_E[d * E // ranks:(d + 1) * E // ranks].sum() for d in range(ranks)]
+                mm.append(max(load_D) / np.mean(load_D))
+        assert r["stock_max_over_mean"] == pytest.approx(np.mean(mm), rel=1e-12), (w, policy)
+    for w in workloads:
+        stock = rows[(w, "stock")]
+        assert stock["ratio_vs_stock"] == 1.0 and stock["weight_bytes_per_step"] == 0
+        assert stock["relayouts_per_step"] == 0 and stock["max_over_mean_after"] == stock["stock_max_over_mean"]
+    assert rows[("balanced", "stock")]["of_ideal"] == 1.0
+    assert rows[("balanced", "stock")]["stock_max_over_mean"] == 1.0
+    if ranks == 2:
+        assert rows[("zero", "stock")]["stock_max_over_mean"] == 2.0  # the upper half of the experts: rank 1
+        assert rows[("zero", "ultraep")]["max_over_mean_after"] < 2.0
+    fsep = rows[("rotating", "fsep")]
     assert 0 < fsep["weight_bytes_per_step"] <= fsep["weight_bytes_per_step_if_per_microbatch"]
     assert os.path.exists(tmp_path / "s.png")
+
+
+def _train(layers, xs, steps, policy):
+    """Per microbatch: (loss, input gradient); per step the parameters after SGD."""
+    from megatron_rails.bench import step as bench
+
+    opt = torch.optim.SGD(layers.parameters(), lr=0.05)
+    losses, params = [], []
+    for s in range(steps):
+        bench.Clock.step = s
+        with bench._stock(policy):
+            for i, x in enumerate(xs):
+                bench.Clock.micro = i
+                x = x.clone().requires_grad_(True)
+                with bench.no_sync() if i < len(xs) - 1 else _null():
+                    loss = bench._forward(layers, x).pow(2).mean()
+                    loss.backward()
+                losses.append((loss.item(), x.grad))
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        params.append({n: p.detach().clone() for n, p in layers.state_dict().items() if torch.is_tensor(p)})
+    return losses, params
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _stock_is_stock(rank, world):
+    from megatron_rails.bench import step as bench
+
+    xs = bench._microbatches(rank, SMALL, 3)
+    for workload in ("hot-rank", "rotating"):
+        got = bench.build(world, SMALL, "stock", workload, rank)
+        ref = bench.build(world, SMALL, "stock", workload, rank, stock_dispatcher="allgather")
+        ref.load_state_dict(got.state_dict())
+        (lg, pg), (lr, pr) = _train(got, xs, 2, "stock"), _train(ref, xs, 2, "allgather")
+        for (a, ga), (b, gb) in zip(lg, lr):
+            assert abs(a - b) <= 1e-5 * abs(b), (workload, a, b)
+            torch.testing.assert_close(ga, gb, rtol=1e-5, atol=1e-6)
+        for sg, sr in zip(pg, pr):
+            for n in sr:
+                torch.testing.assert_close(sg[n], sr[n], rtol=1e-5, atol=1e-6, msg=lambda m: f"{workload} {n}: {m}")
+
+
+def test_the_bench_stock_is_megatron_core_stock():
+    spawn(_stock_is_stock, 2)
+
+
+def _moving_parity(rank, world, policies):
+    from megatron_rails.bench import step as bench
+
+    xs = bench._microbatches(rank, SMALL, 4)
+    for workload in ("rotating", "burst"):
+        stock = bench.build(world, SMALL, "stock", workload, rank)
+        want_l, want_p = _train(stock, xs, 3, "stock")
+        for policy in policies:
+            layers = bench.build(world, SMALL, policy, workload, rank)
+            layers.load_state_dict(bench.build(world, SMALL, "stock", workload, rank).state_dict())
+            got_l, got_p = _train(layers, xs, 3, policy)
+            recs = [r for layer in layers for r in layer.token_dispatcher.metrics]
+            where = f"{workload}, {policy}, rank {rank}"
+            for i, ((a, ga), (b, gb)) in enumerate(zip(got_l, want_l)):
+                assert abs(a - b) <= 1e-5 * abs(b), f"{where}, microbatch {i}: {a} vs {b}"
+                torch.testing.assert_close(ga, gb, rtol=1e-5, atol=1e-6, msg=lambda m: f"{where}, {i}: {m}")
+            for s, (sg, sr) in enumerate(zip(got_p, want_p)):
+                for n in sr:
+                    torch.testing.assert_close(sg[n], sr[n], rtol=1e-5, atol=1e-6,
+                                               msg=lambda m: f"{where}, after step {s}, {n}: {m}")
+            if policy != "none":  # the premise: slots moved under the moving hot spot
+                assert any(r["weight_bytes_sent"] for r in recs), f"{where}: no weights moved"
+
+
+@pytest.mark.parametrize("policies", [("none", "eplb", "ultraep"), ("lp", "fsep", "default")])
+def test_moving_workloads_train_like_stock(policies):
+    """Three optimizer steps of 4 microbatches under the rotating hot spot and the burst, from stock's
+    weights: every microbatch's loss and input gradient and every step's parameters equal stock
+    alltoall's (a slot resident from an earlier microbatch that now serves another expert, or a
+    placement kept from the step before, would leak a stale weight or gradient)."""
+    spawn(_moving_parity, 2, policies)

@@ -195,6 +195,17 @@ def divisor_of(name: str, n: int, what: str):
     return conv
 
 
+def workload_list(text: str) -> tuple[str, ...]:
+    """`--workloads A,B,...`: names of core/step_workloads.py's workloads."""
+    from ..core.errors import WorkloadError
+    from ..core.step_workloads import parse_workloads
+
+    try:
+        return parse_workloads(text)
+    except WorkloadError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("--workloads: ")) from None
+
+
 def in_file(name: str, what: str):
     """argparse type: a path to read `what` from; refused when empty (Path("") is the working directory,
     which the loaders would report as a directory nobody named). The loaders check the file itself."""

@@ -16,8 +16,9 @@ import warnings
 from ..core.errors import ChildFailed, InputError, PlanError
 from ..core.limits import MAX_RANKS
 from ..core.outfile import WriteError
+from ..core.step_workloads import WORKLOADS as STEP_WORKLOADS
 from .args import (CliParser, Default, discard, divisor_of, error_text, escaped, fill_defaults, flag_error, float_range,
-                   in_file, int_range, out_file, plot_file)
+                   in_file, int_range, out_file, plot_file, workload_list)
 
 # bounds far beyond real expert parallelism, there so that a typo fails here and not in numpy
 MAX_TOKENS = 1 << 20     # tokens per rank per step
@@ -194,17 +195,17 @@ BENCH_MEASURES = {"planners": "plan() time and balance of every policy over EP s
                   "dispatcher": "one MoE layer's forward+backward per policy on gloo ranks",
                   "rails": "direct vs ecmp vs RailS all-to-all time in the flow model",
                   "local": "one rank's local token work vs Megatron-Core's permute/unpermute",
-                  "step": "training-step time per policy with gradient accumulation"}
+                  "step": "training-step time per policy against stock, on routing workloads"}
 # the options each benchmark takes beyond --out and --quick (an option it would ignore is refused)
 BENCH_OPTIONS = {"planners": ("plot",), "dispatcher": (), "rails": ("plot",),
-                 "local": ("device", "shape", "dtype", "rounds"), "step": ("plot", "ranks", "microbatches", "rounds")}
+                 "local": ("device", "shape", "dtype", "rounds"), "step": ("plot", "ranks", "microbatches", "rounds", "workloads")}
 
 
 def _bench_args(args) -> None:
     """Refuse options the chosen benchmark does not take, and a figure that would overwrite --out;
     fill in the defaults of those it takes. A figure's default name is --out's with .png; where --out
     is no file (/dev/stdout, a pipe), there is no default figure (plot False) unless --plot names one."""
-    ignored = [f"--{k}" for k in ("plot", "device", "shape", "dtype", "ranks", "microbatches", "rounds")
+    ignored = [f"--{k}" for k in ("plot", "device", "shape", "dtype", "ranks", "microbatches", "rounds", "workloads")
                if getattr(args, k) is not None and k not in BENCH_OPTIONS[args.what]]
     if ignored:
         takes = ", ".join(f"--{k}" for k in BENCH_OPTIONS[args.what]) or "no options but --out and --quick"
@@ -273,7 +274,7 @@ def cmd_bench(args) -> int:
 
         try:
             bench_step(args.out, ranks=args.ranks, microbatches=args.microbatches, quick=args.quick, plot=args.plot,
-                       reps=args.rounds)
+                       reps=args.rounds, workloads=args.workloads)
         except BenchError as err:  # bad arguments, found before any rank starts
             raise InputError(str(err)) from None
         return 0
@@ -367,8 +368,10 @@ def _add_bench(sub) -> None:
     b.add_argument("--microbatches", type=int_range("--microbatches", 1, 1024),
                    help="step: microbatches per optimizer step (default: 8)")
     b.add_argument("--rounds", type=int_range("--rounds", 1, 1000), default=None,
-                   help="step: timed rounds (default 6, 1 with --quick); local: rounds per case (default "
-                        "200, 5 with --quick); more rounds, tighter medians")
+                   help="step: timed rounds per workload (default 5, 1 with --quick); local: rounds per case "
+                        "(default 200, 5 with --quick); more rounds, tighter medians")
+    b.add_argument("--workloads", type=workload_list,
+                   help=f"step: routing workloads, comma-separated (default: all: {', '.join(STEP_WORKLOADS)})")
     b.set_defaults(func=cmd_bench)
 
 

@@ -56,22 +56,27 @@ def stock_local_ops():
     return stock_permute, sort_chunks_by_idxs, unpermute
 
 
-def force_balanced_routing(layer) -> None:
-    """Make `layer`'s router send token t to experts (t + j * E / k) mod E, j < k: every expert gets
-    exactly T * k / E of a rank's T tokens (T a multiple of E), the ideal a balancer aims at. The
-    router's own top-k probabilities are kept (in that order), so gradients still reach it."""
+def route_by(layer, choose) -> None:
+    """Make `layer`'s router send its tokens where `choose(T, E, k)` says (int64 [T, k], k distinct
+    experts per token), whatever its logits: the routing map is exactly that. The router's own
+    top-k probabilities are kept (in that order) on the chosen experts, so gradients still reach it."""
     router = layer.router
     forward = router.forward
 
-    def balanced(hidden, *args, **kwargs):
+    def chosen(hidden, *args, **kwargs):
         probs_TE, _ = forward(hidden, *args, **kwargs)
         T, E = probs_TE.shape
         k = layer.config.moe_router_topk
-        idx_Tk = (torch.arange(T)[:, None] + torch.arange(k)[None, :] * (E // k)) % E
-        idx_Tk = idx_Tk.to(probs_TE.device)
+        idx_Tk = torch.as_tensor(choose(T, E, k), dtype=torch.int64).to(probs_TE.device)
         vals_Tk = probs_TE.topk(k, dim=-1).values
         probs = torch.zeros_like(probs_TE).scatter(1, idx_Tk, vals_Tk)
         routing_map = torch.zeros(T, E, dtype=torch.bool, device=probs_TE.device).scatter(1, idx_Tk, True)
         return probs, routing_map
 
-    router.forward = balanced
+    router.forward = chosen
+
+
+def force_balanced_routing(layer) -> None:
+    """Token t to experts (t + j * E / k) mod E, j < k: every expert gets exactly T * k / E of a rank's
+    T tokens (T a multiple of E), the ideal a balancer aims at (`route_by`)."""
+    route_by(layer, lambda T, E, k: (torch.arange(T)[:, None] + torch.arange(k)[None, :] * (E // k)) % E)

@@ -1,0 +1,101 @@
+"""core/step_workloads.py: each workload's routing is exact (the routing map's counts are the
+workload's counts, k distinct experts per token), deterministic, a function of rank and not of the
+number of ranks, different per layer, moving where it says; the named stock max/mean on 8 experts
+over 2 ranks is what the names say (a direct count over many draws); bad input is one error."""
+import itertools
+
+import numpy as np
+import pytest
+
+from megatron_rails.core import step_workloads as sw
+from megatron_rails.core.errors import WorkloadError
+
+
+def _stock_mm(name, T=512, E=8, k=2, D=2, steps=4, micro=8, layers=2):
+    """Stock max/mean by a direct count: ranks' loads of contiguous expert blocks."""
+    out = []
+    for s, m, y in itertools.product(range(steps), range(micro), range(layers)):
+        load_E = np.sum([sw.counts_E(name, 0, s, m, y, d, T, E, k) for d in range(D)], axis=0)
+        load_D = load_E.reshape(D, E // D).sum(axis=1)
+        out.append(load_D.max() / load_D.mean())
+    return float(np.mean(out))
+
+
+@pytest.mark.parametrize("name", list(sw.WORKLOADS))
+@pytest.mark.parametrize("T,E,k", [(512, 8, 2), (37, 8, 2), (24, 4, 3), (10, 2, 1), (9, 3, 3), (64, 16, 4)])
+def test_routing_is_exact(name, T, E, k):
+    for s, m, y, d in [(0, 0, 0, 0), (1, 3, 1, 1), (5, 7, 0, 3)]:
+        c = sw.counts_E(name, 0, s, m, y, d, T, E, k)
+        assert c.sum() == T * k and (c <= T).all() and (c >= 0).all()
+        idx = sw.routing_for(name, 0, s, m, y, d, T, E, k)
+        assert idx.shape == (T, k)
+        assert all(len(set(row)) == k for row in idx.tolist()), "an expert twice for one token"
+        assert np.array_equal(np.bincount(idx.ravel(), minlength=E), c)
+        # deterministic: the same arguments anew (past the cache) give the same routing
+        again = sw.routing_Tk(sw.counts_E.__wrapped__(name, 0, s, m, y, d, T, E, k), T, k, (0, name, s, m, y, d))
+        assert np.array_equal(again, idx)
+
+
+def test_balanced_is_exact_and_zero_is_zero():
+    assert sw.counts_E("balanced", 0, 3, 1, 0, 0, 512, 8, 2).tolist() == [128] * 8
+    uneven = [sw.counts_E("balanced", 0, 0, 0, 0, d, 37, 8, 2) for d in range(8)]
+    assert np.ptp(np.sum(uneven, axis=0)) == 0  # remainders spread over ranks evenly
+    z = sw.counts_E("zero", 0, 0, 0, 0, 0, 512, 8, 2)
+    assert z[0] == 0 and (z[4:] == 0).all() and (z[1:4] > 0).all()
+
+
+def test_independent_of_the_rank_count_and_per_layer():
+    # rank 1's tokens take no argument saying how many ranks there are: the same whatever D; layers differ
+    for name in ("hot-set", "hot-rank", "spread", "zipf:1.2", "rotating"):
+        a = sw.counts_E(name, 0, 0, 0, 0, 1, 512, 8, 2)
+        b = sw.counts_E(name, 0, 0, 0, 1, 1, 512, 8, 2)
+        assert not np.array_equal(a, b), name
+    assert not np.array_equal(sw.routing_for("balanced", 0, 0, 0, 0, 0, 64, 8, 2),
+                              sw.routing_for("balanced", 0, 0, 0, 1, 0, 64, 8, 2))  # token order differs too
+
+
+def _hot(name, s, m, y=0):
+    c = sw.counts_E(name, 0, s, m, y, 0, 512, 8, 2)
+    return set(np.argsort(-c)[:2].tolist())
+
+
+def test_moving_workloads_move_within_and_across_steps():
+    assert _hot("rotating", 0, 0) == _hot("rotating", 0, 1) == {0, 1}
+    assert _hot("rotating", 0, 2) == {1, 2} and _hot("rotating", 1, 0) == {1, 2}
+    # the burst: uniform but on every 4th microbatch, whose hot pair moves every step
+    flat = sw.counts_E("burst", 0, 0, 0, 0, 0, 512, 8, 2)
+    assert flat.max() < 1.5 * flat.mean()
+    assert _hot("burst", 0, 3) != _hot("burst", 1, 3) and _hot("burst", 0, 3) == _hot("burst", 0, 7)
+    # static workloads do not move
+    assert _hot("hot-rank", 0, 0) == _hot("hot-rank", 3, 5)
+
+
+def test_stock_max_over_mean_is_as_named():
+    assert _stock_mm("balanced") == 1.0
+    assert _stock_mm("zero") == 2.0
+    assert abs(_stock_mm("moderate:1.2") - 1.2) < 0.04
+    assert abs(_stock_mm("moderate:1.5") - 1.5) < 0.08  # a token's two picks are distinct: a little under
+    assert _stock_mm("spread") < 1.05 < 1.6 < _stock_mm("hot-rank")
+    mm = np.array([[sw.counts_E("source", 0, 0, 0, 0, d, 512, 8, 2)] for d in range(2)])[:, 0]
+    assert mm[0, 6:].sum() > 0.8 * 1024 and mm[1].max() < 0.2 * 1024  # rank 0's tokens to the last two
+
+
+def test_the_stock_max_over_mean_helper_counts_like_a_direct_count():
+    rng = np.random.default_rng(0)
+    for D, E in [(2, 8), (4, 8), (3, 6)]:
+        c = rng.integers(0, 50, (D, E))
+        load = c.sum(axis=0).reshape(D, E // D).sum(axis=1)
+        assert sw.stock_max_over_mean(c) == pytest.approx(load.max() / load.mean())
+
+
+@pytest.mark.parametrize("call,says", [
+    (lambda: sw.counts_E("nope", 0, 0, 0, 0, 0, 8, 8, 2), "unknown workload 'nope'"),
+    (lambda: sw.counts_E("burst", 0, 0, 0, 0, 0, 8, 1, 1), "at least 2 experts"),
+    (lambda: sw.counts_E("burst", 0, 0, 0, 0, 0, 8, 4, 5), "1 <= topk <= experts"),
+    (lambda: sw.routing_Tk(np.array([3, 1]), 2, 2), "each <= T=2"),
+    (lambda: sw.parse_workloads("burst,,zero"), "unknown workload ''"),
+    (lambda: sw.parse_workloads("zero,zero"), "'zero' twice"),
+])
+def test_bad_input_is_one_error(call, says):
+    with pytest.raises(WorkloadError, match=says):
+        call()
