@@ -93,6 +93,37 @@ def test_quick_run_rows(tmp_path):
     assert os.path.exists(tmp_path / "s.png")
 
 
+def test_trace_replay(tmp_path):
+    """`--trace FILE` replays a counts file as the workload 'trace' (alone): stock's max/mean is the
+    trace's, rescaled, at every call, layer and rank; a file of other experts is one line."""
+    from megatron_rails.core.step_workloads import rescaled
+    from megatron_rails.core.workloads import save_counts
+
+    ranks = min(2, len(os.sched_getaffinity(0)))
+    c = np.random.default_rng(4).integers(0, 40, (3, 1, 2, 8))
+    c[:, :, :, :4] *= 5  # the first half hot: stock's rank 0
+    save_counts(tmp_path / "t.npy", c)
+    out = tmp_path / "s.json"
+    p = subprocess.run(CLI + ["--out", str(out), "--ranks", str(ranks), "--microbatches", "2", "--quick", "--trace",
+                              str(tmp_path / "t.npy")], capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert {r["workload"] for r in res["rows"]} == {"trace"} and res["meta"]["trace"]["shape"] == [3, 1, 2, 8]
+    T, k, E, Y = 128, 2, 8, 2
+    mm = []
+    for m in range(2):  # step 0 (one round, no warm-up), microbatch m: the trace's call m, layer y mod 1
+        for y in range(Y):
+            load_E = sum(rescaled(c[m % 3, 0, d % 2], T, k) for d in range(ranks))
+            load_D = load_E.reshape(ranks, -1).sum(axis=1)
+            mm.append(load_D.max() / load_D.mean())
+    stock = next(r for r in res["rows"] if r["policy"] == "stock")
+    assert stock["stock_max_over_mean"] == pytest.approx(np.mean(mm), rel=1e-12)
+    save_counts(tmp_path / "six.npy", c[..., :6])
+    p = subprocess.run(CLI + ["--out", str(out), "--trace", str(tmp_path / "six.npy")], capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 2 and "the bench's layers have 8 experts" in p.stderr.strip().splitlines()[-1], p.stderr
+
+
 def _train(layers, xs, steps, policy):
     """Per microbatch: (loss, input gradient); per step the parameters after SGD."""
     from megatron_rails.bench import step as bench

@@ -135,7 +135,12 @@ def test_bench_dispatcher_quick(tmp_path):
     assert res["meta"]["shape"] == {"hidden": H, "ffn": F, "experts": E, "topk": k, "tokens": T}
     rows = {(r["policy"], r["skew"]): r for r in res["rows"]}
     policies = ["none", "eplb", "ultraep", "lp", "fsep", "fsep+rails"]
-    assert set(rows) == {(p, s) for p in policies for s in ("uniform", "zipf:1.2")}
+    assert set(rows) == {(p, s) for p in ["stock", *policies] for s in ("uniform", "zipf:1.2")}
+    stocks = {}
+    for skew in ("uniform", "zipf:1.2"):  # stock: its own reference, its routing none's (the same router)
+        stocks[skew] = stock = rows.pop(("stock", skew))
+        assert stock["ratio_vs_stock"] == 1.0 and stock["ms_p50"] > 0 and "weight_bytes_per_layer" not in stock
+        assert stock["max_over_mean_after"] == rows[("none", skew)]["max_over_mean_before"]
     expert_bytes = 3 * H * F * 4  # SwiGLU expert in fp32: fc1 [2F, H] and fc2 [H, F]
     for (policy, skew), r in rows.items():
         assert r["ms_p50"] > 0 and r["plan_us_p50"] > 0
@@ -164,9 +169,13 @@ def test_bench_dispatcher_quick(tmp_path):
             match = [x for x in pairings if r["overhead_vs_none"] == pytest.approx(x, rel=1e-9, abs=1e-12)]
             assert match, (policy, skew, r["overhead_vs_none"], pairings)
             overhead[policy, skew] = match[0]
+            s_lo, s_hi = stocks[skew]["ms_min"], 2 * stocks[skew]["ms_p50"] - stocks[skew]["ms_min"]
+            vs_stock = [(lo / s_lo + hi / s_hi) / 2, (lo / s_hi + hi / s_lo) / 2]
+            assert any(r["ratio_vs_stock"] == pytest.approx(x, rel=1e-9) for x in vs_stock), (policy, skew)
     # the targets, from the recomputed overheads; on the skewed step every policy but none balances
     # (--quick: the overheads as numbers, no noise-driven yes/no against 5%)
     assert res["targets"]["uniform_overhead_vs_none"] == pytest.approx({p: overhead[p, "uniform"] for p in policies})
+    assert res["targets"]["uniform_ratio_vs_stock"] == {p: rows[(p, "uniform")]["ratio_vs_stock"] for p in policies}
     assert "uniform_overhead_le_5pct" not in res["targets"] and res["targets"]["not_evaluated"]
     assert res["targets"]["zipf_max_over_mean_le_1_05"] == {p: p != "none" for p in policies}
     floor = res["meta"]["fsep_weight_exchange"]

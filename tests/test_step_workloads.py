@@ -99,3 +99,42 @@ def test_the_stock_max_over_mean_helper_counts_like_a_direct_count():
 def test_bad_input_is_one_error(call, says):
     with pytest.raises(WorkloadError, match=says):
         call()
+
+
+def test_rescaled_keeps_proportions_caps_and_totals():
+    assert sw.rescaled(np.array([100, 50, 25, 25, 0, 0, 0, 0]), 512, 2).tolist() == [512, 256, 128, 128, 0, 0, 0, 0]
+    # above T: capped, the excess in proportion to the rest
+    assert sw.rescaled(np.array([90, 5, 5]), 10, 2).tolist() == [10, 5, 5]
+    # fewer experts with tokens than a token picks: the others fill in
+    assert sw.rescaled(np.array([7, 0, 0]), 4, 2).tolist() == [4, 4, 0]
+    rng = np.random.default_rng(1)
+    for _ in range(500):
+        E = int(rng.integers(2, 10))
+        k, T = int(rng.integers(1, E + 1)), int(rng.integers(1, 200))
+        r = rng.integers(0, 40, E)
+        r[0] += 1
+        c = sw.rescaled(r, T, k)
+        assert c.sum() == T * k and (c <= T).all() and (c >= 0).all(), (r, T, k, c)
+        uncapped = c < T
+        if uncapped.sum() > 1 and r[uncapped].sum() > 0:  # within a token of the recorded proportions
+            want = r[uncapped] / r[uncapped].sum() * c[uncapped].sum()
+            assert np.abs(c[uncapped] - want).max() < 1 + 1e-9, (r, T, k, c)
+
+
+def test_a_trace_replays_by_call_layer_and_rank():
+    c = np.random.default_rng(2).integers(1, 30, (3, 2, 4, 8))  # [I, Y, D, E]
+    try:
+        assert sw.use_trace(c, 8, 2) == sw.TRACE
+        for s, m, y, d in itertools.product(range(3), range(2), range(3), range(5)):
+            got = sw.counts_E(sw.TRACE, 0, s, m, y, d, 64, 8, 2)
+            assert np.array_equal(got, sw.rescaled(c[(2 * s + m) % 3, y % 2, d % 4], 64, 2))
+            idx = sw.routing_for(sw.TRACE, 0, s, m, y, d, 64, 8, 2)
+            assert np.array_equal(np.bincount(idx.ravel(), minlength=8), got)
+        with pytest.raises(WorkloadError, match="the bench's layers have 6 experts"):
+            sw.use_trace(c, 6, 2)
+        with pytest.raises(WorkloadError, match="routed no tokens"):
+            sw.use_trace(np.zeros((1, 1, 2, 8), int), 8, 2)
+    finally:
+        sw._TRACES.clear()
+    with pytest.raises(WorkloadError, match="needs a trace"):
+        sw.counts_E.__wrapped__(sw.TRACE, 0, 0, 0, 0, 0, 8, 8, 2)

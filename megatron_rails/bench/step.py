@@ -23,7 +23,7 @@ with their quartiles over the rounds beside them (`*_q25`, `*_q75`: how far one 
 Per row also: stock's max/mean tokens per rank (from the workload's counts) and the policy's
 after balancing, expert-weight bytes moved per step (fetch and gradient return) beside what
 per-microbatch movement would send, re-layouts per step (microbatch records, over layers, that
-fetched slots), and expert bytes per rank (parameters + gradients of the experts and the resident
+fetched slot weights), and expert bytes per rank (parameters + gradients of the experts and the resident
 slots, measured by storage).
 
 The ranks run with glibc's malloc told to keep freed memory (MALLOC_MMAP_THRESHOLD_ at its 32 MiB
@@ -58,8 +58,9 @@ from ..core.limits import cores_for_ranks
 from ..core.outfile import save_figure, summary_stream, write_text
 from ..core.policy import as_policy
 from ..core.errors import WorkloadError
-from ..core.step_workloads import (DEFAULT_WORKLOADS, WORKLOADS, counts_E, parse_workloads, routing_for,
-                                   stock_max_over_mean)
+from ..core.step_workloads import (DEFAULT_WORKLOADS, TRACE, WORKLOADS, counts_E, parse_workloads, routing_for,
+                                   stock_max_over_mean, use_trace)
+from ..core.workloads import load_counts
 from ..megatron import models
 from ..megatron.cpu_shims import stock_alltoall
 from ..megatron.install import install, uninstall
@@ -78,9 +79,9 @@ IDEAL = ("balanced", "stock")  # of_ideal's reference, timed in every workload's
 # have merged: counted with getrusage in the full benchmark, fsep and default took 3,000-9,000 minor
 # page faults per step in their first three rounds and under 10 from the fourth on (every other
 # policy under 30 from the second); the heap then stays put. The first workload warms up for
-# WARMUP rounds, the later ones (the heap grown by then) for WARMUP_NEXT.
-WARMUP, WARMUP_NEXT = 3, 1
-REPS = 5
+# WARMUP rounds, the later ones (the heap grown by then, the models new) for WARMUP_NEXT.
+WARMUP, WARMUP_NEXT = 3, 0
+REPS = 4
 HEAP_TOUCH = 1 << 30  # bytes of heap each rank touches and frees before the first round
 HEAP_BLOCK = 16 << 20  # below the mmap threshold: the blocks come from the heap, not mmap
 LR = 1e-3
@@ -220,9 +221,11 @@ def _minor_faults() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
-def _worker(rank, world, store, shape, micro, reps, warmups, workloads, out, heap_touch=HEAP_TOUCH):
+def _worker(rank, world, store, shape, micro, reps, warmups, workloads, out, heap_touch=HEAP_TOUCH, trace=None):
     os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[rank]})  # one core per rank
     torch.set_num_threads(1)
+    if trace is not None:
+        use_trace(trace, shape["experts"], micro)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     models.init_model_parallel(world)
     xs = _microbatches(rank, shape, micro)
@@ -283,7 +286,9 @@ def _worker(rank, world, store, shape, micro, reps, warmups, workloads, out, hea
                          # with an fp32 main_grad the return is twice the fetch)
                          "weight_bytes_per_step": 2.0 * fetch,
                          "weight_bytes_per_step_if_per_microbatch": 2.0 * per_micro,
-                         "relayouts_per_step": sum(bool(r["slots_fetched"]) for r in recs) / steps,
+                         # windows that moved weights (a fetch on stock's placement moves none)
+                         "relayouts_per_step": sum(bool(r["slots_fetched"]) and r["weight_bytes_sent"] > 0
+                                                   for r in recs) / steps,
                          "expert_bytes_per_rank": experts + slots, "slot_bytes": slots,
                          # what the stores keep for the step's buffers (runtime/hostbuf.py), in use or not
                          "host_blocks_bytes": sum(st.blocks.kept_bytes() for st in stores),
@@ -296,6 +301,8 @@ def _worker(rank, world, store, shape, micro, reps, warmups, workloads, out, hea
     leave()  # ends the process: see runtime/comm/base.leave
 
 
+TRACE_TEXT = ("a recorded trace: microbatch m of step s, layer y, rank d route like its call (s M + m) mod I, "
+              "layer y mod Y, rank d mod D, rescaled to the bench's tokens per rank in the same proportions")
 FLAT = 1.05  # stock max/mean at most this: balancing can buy nothing there
 MOVING = ("rotating", "burst")  # the default's of_ideal target is lower there
 FULL_S, QUICK_S = 15 * 60, 2 * 60  # the wall time the default workload set and --quick may take
@@ -320,8 +327,20 @@ def targets(rows: list[dict], wall_s: float, quick: bool, workloads: tuple) -> d
     return out
 
 
+def load_step_trace(path: str) -> np.ndarray:
+    """int64 [I, Y, D, E]: a `megatron-rails trace` file or counts file (2-D and 3-D broadcast over
+    calls and layers) for `--trace`; BenchError naming the file for anything else."""
+    try:
+        c = load_counts(path)
+    except (WorkloadError, FileNotFoundError) as e:
+        raise BenchError(f"--trace: {e}") from None
+    return c.reshape((1,) * (4 - c.ndim) + c.shape) if c.ndim < 4 else c
+
+
 def bench_step(out: str, ranks: int = 2, microbatches: int = 8, quick: bool = False, plot: str | None = None,
-               reps: int | None = None, workloads: str | tuple | None = None) -> dict:
+               reps: int | None = None, workloads: str | tuple | None = None, trace: str | None = None) -> dict:
+    """The benchmark (see the module docstring); `trace`: also replay that recorded trace as the
+    workload "trace" (alone where `workloads` is not given)."""
     try:
         cores_for_ranks(ranks)
     except ValueError as e:
@@ -329,7 +348,12 @@ def bench_step(out: str, ranks: int = 2, microbatches: int = 8, quick: bool = Fa
     if microbatches < 1:
         raise BenchError(f"--microbatches {microbatches}: need at least 1")
     try:
-        workloads = parse_workloads(workloads)
+        workloads = () if trace is not None and workloads is None else parse_workloads(workloads)
+        counts_IYDE = None
+        if trace is not None:
+            counts_IYDE = load_step_trace(trace)
+            use_trace(counts_IYDE, SHAPE["experts"], microbatches)  # checked here, before any rank starts
+            workloads = (*workloads, TRACE)
     except WorkloadError as e:
         raise BenchError(str(e)) from None
     if ranks == 1:
@@ -353,7 +377,8 @@ def bench_step(out: str, ranks: int = 2, microbatches: int = 8, quick: bool = Fa
         with tempfile.TemporaryDirectory(prefix="rails-bench-") as rdzv:
             with quiet_children():
                 mp.start_processes(_worker, args=(ranks, f"{rdzv}/store", shape, microbatches, reps, warmups,
-                                                  workloads, f"{rdzv}/rows.json", heap_touch), nprocs=ranks,
+                                                  workloads, f"{rdzv}/rows.json", heap_touch, counts_IYDE),
+                                   nprocs=ranks,
                                    start_method="spawn")
             with open(f"{rdzv}/rows.json") as f:
                 rows = json.load(f)
@@ -366,7 +391,8 @@ def bench_step(out: str, ranks: int = 2, microbatches: int = 8, quick: bool = Fa
     wall_s = time.perf_counter() - t0
     res = {"meta": {"command": "megatron-rails bench step", "ranks": ranks, "microbatches": microbatches,
                     "shape": shape, "reps": reps, "warmups": warmups, "lr": LR, "seed": SEED,
-                    "workloads": {w: WORKLOADS[w] for w in workloads}, "wall_s": wall_s,
+                    "workloads": {w: WORKLOADS.get(w, TRACE_TEXT) for w in workloads}, "wall_s": wall_s,
+                    **({"trace": {"path": str(trace), "shape": list(counts_IYDE.shape)}} if trace else {}),
                     "malloc": malloc, "heap_touched_bytes": heap_touch,
                     "note": "CPU gloo, one rank per core. ratio_vs_stock and of_ideal are medians of ratios "
                             "taken within a round (see megatron_rails/bench/step.py); stock is Megatron-Core's "

@@ -198,14 +198,16 @@ BENCH_MEASURES = {"planners": "plan() time and balance of every policy over EP s
                   "step": "training-step time per policy against stock, on routing workloads"}
 # the options each benchmark takes beyond --out and --quick (an option it would ignore is refused)
 BENCH_OPTIONS = {"planners": ("plot",), "dispatcher": (), "rails": ("plot",),
-                 "local": ("device", "shape", "dtype", "rounds"), "step": ("plot", "ranks", "microbatches", "rounds", "workloads")}
+                 "local": ("device", "shape", "dtype", "rounds"), "step": ("plot", "ranks", "microbatches", "rounds", "workloads",
+                                                                   "trace")}
 
 
 def _bench_args(args) -> None:
     """Refuse options the chosen benchmark does not take, and a figure that would overwrite --out;
     fill in the defaults of those it takes. A figure's default name is --out's with .png; where --out
     is no file (/dev/stdout, a pipe), there is no default figure (plot False) unless --plot names one."""
-    ignored = [f"--{k}" for k in ("plot", "device", "shape", "dtype", "ranks", "microbatches", "rounds", "workloads")
+    ignored = [f"--{k}" for k in ("plot", "device", "shape", "dtype", "ranks", "microbatches", "rounds", "workloads",
+                                  "trace")
                if getattr(args, k) is not None and k not in BENCH_OPTIONS[args.what]]
     if ignored:
         takes = ", ".join(f"--{k}" for k in BENCH_OPTIONS[args.what]) or "no options but --out and --quick"
@@ -240,7 +242,7 @@ def _bench_args(args) -> None:
 
 def _bench_defaults(args) -> None:
     for k, default in (("device", "cpu"), ("shape", "tiny" if args.quick else "mixtral-8x7b"), ("dtype", "bfloat16"),
-                       ("ranks", 2), ("microbatches", 8)):
+                       ("ranks", 2), ("microbatches", 4 if args.quick else 8)):
         if getattr(args, k) is None:
             setattr(args, k, default)
 
@@ -274,7 +276,7 @@ def cmd_bench(args) -> int:
 
         try:
             bench_step(args.out, ranks=args.ranks, microbatches=args.microbatches, quick=args.quick, plot=args.plot,
-                       reps=args.rounds, workloads=args.workloads)
+                       reps=args.rounds, workloads=args.workloads, trace=args.trace)
         except BenchError as err:  # bad arguments, found before any rank starts
             raise InputError(str(err)) from None
         return 0
@@ -366,12 +368,15 @@ def _add_bench(sub) -> None:
                    help="step: gloo ranks, one core each (= expert-parallel size, over the layers' 8 experts; at "
                         "most the cores; default: 2)")
     b.add_argument("--microbatches", type=int_range("--microbatches", 1, 1024),
-                   help="step: microbatches per optimizer step (default: 8)")
+                   help="step: microbatches per optimizer step (default: 8, 4 with --quick)")
     b.add_argument("--rounds", type=int_range("--rounds", 1, 1000), default=None,
-                   help="step: timed rounds per workload (default 5, 1 with --quick); local: rounds per case "
+                   help="step: timed rounds per workload (default 4, 1 with --quick); local: rounds per case "
                         "(default 200, 5 with --quick); more rounds, tighter medians")
     b.add_argument("--workloads", type=workload_list,
                    help=f"step: routing workloads, comma-separated (default: all: {', '.join(STEP_WORKLOADS)})")
+    b.add_argument("--trace", type=in_file("--trace", "a trace (megatron-rails trace) or counts file"),
+                   help="step: replay this recorded trace as the workload 'trace' (its proportions at the bench's "
+                        "tokens; alone unless --workloads names others)")
     b.set_defaults(func=cmd_bench)
 
 

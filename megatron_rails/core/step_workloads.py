@@ -44,6 +44,8 @@ WORKLOADS = {
     "zipf:2.0": "zipf 2.0 weights over a random expert order per layer",
 }
 DEFAULT_WORKLOADS = tuple(WORKLOADS)
+TRACE = "trace"  # `bench step --trace FILE`: a recorded trace's counts, rescaled (`use_trace`)
+_TRACES: dict[str, np.ndarray] = {}  # TRACE -> its counts [I, Y, D, E], in this process
 HOT_PAIR = 0.85  # the hot pair's share in hot-set, hot-rank, spread, source, rotating, burst
 
 
@@ -152,6 +154,10 @@ def counts_E(name: str, seed: int, step: int, micro: int, layer: int, rank: int,
     deterministic function of its arguments. Read only (cached)."""
     if not 1 <= k <= E or T < 0:
         raise WorkloadError(f"need 1 <= topk <= experts and tokens >= 0, got topk {k}, experts {E}, tokens {T}")
+    if name == TRACE:
+        out = _trace_row(step, micro, layer, rank, T, E, k)
+        out.setflags(write=False)
+        return out
     p = weights_E(name, E, seed, step, micro, layer, rank, k)
     if p is None:
         out = balanced_counts_E(T, E, k, rank)
@@ -176,6 +182,60 @@ def routing_Tk(counts: np.ndarray, T: int, k: int, seed_key: tuple = ()) -> np.n
     idx_kT = flat.reshape(k, T)  # entry j = i T + t goes to token t
     perm = np.random.default_rng(_key("tokens", *seed_key)).permutation(T)
     return np.ascontiguousarray(idx_kT.T[perm])
+
+
+def use_trace(counts_IYDE: np.ndarray, experts: int, microbatches: int) -> str:
+    """Make TRACE replay `counts_IYDE` (int [I, Y, D, E], a recorded trace: one [D, E] per planner
+    call I, layer Y): microbatch m of step s, layer y, rank d routes like the trace's call
+    (s M + m) mod I, layer y mod Y, rank d mod D, rescaled to the bench's tokens (`rescaled`).
+    Returns TRACE; WorkloadError where the trace's experts are not the bench's."""
+    c = np.asarray(counts_IYDE)
+    if c.ndim != 4 or c.shape[-1] != experts:
+        raise WorkloadError(f"--trace: the trace's counts are [steps, layers, ranks, experts] {list(c.shape)}; "
+                            f"the bench's layers have {experts} experts")
+    if (c.sum(axis=-1) == 0).any():
+        raise WorkloadError("--trace: a layer routed no tokens at some step and rank: nothing to rescale")
+    _TRACES[TRACE] = (c.astype(np.int64), int(microbatches))
+    counts_E.cache_clear()
+    routing_for.cache_clear()
+    return TRACE
+
+
+def rescaled(row_E: np.ndarray, T: int, k: int) -> np.ndarray:
+    """int64 [E]: counts in the proportions of `row_E` (a recorded rank's counts, any token count)
+    summing to T k, none above T (a token picks k distinct experts): shares above T are capped and
+    the excess goes to the others in proportion; whole tokens by largest remainder, ties to the lower
+    expert. Experts the row gave no token get none, unless needed to reach T k."""
+    r = np.asarray(row_E, dtype=np.float64)
+    E, total = r.size, T * k
+    want = np.zeros(E)
+    free = r > 0
+    if free.sum() < k:  # fewer experts than a token picks: the others take what is left
+        free = np.ones(E, bool)
+        r = np.where(r > 0, r, r[r > 0].min() if (r > 0).any() else 1.0)
+    left = float(total)
+    while left > 1e-9 and free.any():
+        share = np.where(free, r, 0.0)
+        add = left * share / share.sum()
+        want = want + add
+        over = want > T
+        left = float((want[over] - T).sum())
+        want[over] = T
+        free &= ~over
+    base = np.floor(want + 1e-9).astype(np.int64)
+    short = total - int(base.sum())
+    room = (base < T) & (want > 0) if ((base < T) & (want > 0)).sum() >= short else base < T
+    order = sorted(np.flatnonzero(room), key=lambda e: (-(want[e] - base[e]), e))
+    base[order[:short]] += 1
+    return base
+
+
+def _trace_row(step: int, micro: int, layer: int, rank: int, T: int, E: int, k: int) -> np.ndarray:
+    if TRACE not in _TRACES:
+        raise WorkloadError("workload 'trace' needs a trace: bench step --trace FILE")
+    c, M = _TRACES[TRACE]
+    I, Y, D, _ = c.shape
+    return rescaled(c[(step * M + micro) % I, layer % Y, rank % D], T, k)
 
 
 @lru_cache(maxsize=1024)
