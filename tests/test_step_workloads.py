@@ -105,8 +105,8 @@ def test_rescaled_keeps_proportions_caps_and_totals():
     assert sw.rescaled(np.array([100, 50, 25, 25, 0, 0, 0, 0]), 512, 2).tolist() == [512, 256, 128, 128, 0, 0, 0, 0]
     # above T: capped, the excess in proportion to the rest
     assert sw.rescaled(np.array([90, 5, 5]), 10, 2).tolist() == [10, 5, 5]
-    # fewer experts with tokens than a token picks: the others fill in
-    assert sw.rescaled(np.array([7, 0, 0]), 4, 2).tolist() == [4, 4, 0]
+    # fewer experts with tokens than a token picks: the others take the rest, evenly
+    assert sw.rescaled(np.array([7, 0, 0]), 4, 2).tolist() == [4, 2, 2]
     rng = np.random.default_rng(1)
     for _ in range(500):
         E = int(rng.integers(2, 10))

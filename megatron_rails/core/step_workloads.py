@@ -212,7 +212,7 @@ def rescaled(row_E: np.ndarray, T: int, k: int) -> np.ndarray:
     free = r > 0
     if free.sum() < k:  # fewer experts than a token picks: the others take what is left
         free = np.ones(E, bool)
-        r = np.where(r > 0, r, r[r > 0].min() if (r > 0).any() else 1.0)
+        r = np.where(r > 0, r, 1e-9 * (r[r > 0].min() if (r > 0).any() else 1.0))  # they take only the rest
     left = float(total)
     while left > 1e-9 and free.any():
         share = np.where(free, r, 0.0)
