@@ -42,7 +42,7 @@ test: venv
 
 bench: venv
 	$(BIN)/megatron-rails bench planners --out bench/planners.json
-	$(BIN)/megatron-rails bench step --out bench/step.json
+	for i in 1 2 3; do $(BIN)/megatron-rails bench step --out bench/step-runs/run$$i.json || exit 1; done
 	$(BIN)/megatron-rails bench dispatcher --out bench/dispatcher.json
 	$(BIN)/megatron-rails bench rails --out bench/rails.json
 

@@ -47,3 +47,19 @@ def metrics_summary(model):
     from .megatron.layers import metrics_summary as _summary
 
     return _summary(model)
+
+
+def flush_traces():
+    """Rewrite every routing trace this process records (the policy key `trace`) from the rows so
+    far, as the launcher does after each checkpoint save."""
+    from .megatron.trace_log import flush_all
+
+    flush_all()
+
+
+def close_traces():
+    """Finish every routing trace this process records (also done at interpreter exit); layers built
+    afterwards with a `trace` policy start the file anew."""
+    from .megatron.trace_log import close_all
+
+    close_all()

@@ -51,7 +51,7 @@ case $DEVICE in cuda|cpu) ;; *) echo "$NAME: DEVICE=$DEVICE: cuda or cpu" >&2; e
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 MLM=$(cd "$1" && pwd)
 OUT=${2:-${DEVICE/cuda/gpu}_pretrain_out}
-mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
+mkdir -p "$OUT/traces" && OUT=$(cd "$OUT" && pwd)
 PY=${PYTHON:-python3}
 if [ "$DEVICE" = cpu ]; then
   ITERS=${ITERS:-20}; RUN_TIMEOUT=${RUN_TIMEOUT:-600}; ACCUM=${ACCUM:-4}
@@ -75,11 +75,13 @@ log() {  # under PRINT_ONLY=1 to stderr only: stdout is one command line per run
 # -- the model and training arguments (the same for every run) -------------------------------------------
 # the model: on CPU a smaller one (one core per rank: a step of the GPU's model takes ~10 s there)
 if [ "$DEVICE" = cpu ]; then
+  SEQ=128
   MODEL=(--num-layers 2 --hidden-size 128 --ffn-hidden-size 256 --num-attention-heads 4
-         --seq-length 128 --max-position-embeddings 128)
+         --seq-length $SEQ --max-position-embeddings $SEQ)
 else
+  SEQ=256
   MODEL=(--num-layers 4 --hidden-size 512 --ffn-hidden-size 1024 --num-attention-heads 8
-         --seq-length 256 --max-position-embeddings 256)
+         --seq-length $SEQ --max-position-embeddings $SEQ)
 fi
 COMMON=(
   "${MODEL[@]}"
@@ -249,7 +251,9 @@ set_policy_args() {  # GROUP POLICY -> pargs: the megatron-rails flags of that r
       "$policy" $(( $(group_size "$group" ep) / 2 )) > "$file"
     pargs=(--rails-config "$file")
   elif [ "$policy" = default ]; then
-    pargs=(--rails-config "$REPO/megatron_rails/presets/policies/default.yaml")
+    # the default's runs also record their routing (--rails-trace; checked after the loss table)
+    pargs=(--rails-config "$REPO/megatron_rails/presets/policies/default.yaml"
+           --rails-trace "$OUT/traces/$group-default.npz")
   else
     pargs=(--moe-balancer "$policy")
   fi
@@ -346,5 +350,13 @@ log "loss table"
 strict=(); [ "$DEVICE" = cpu ] && strict=(--strict)
 PYTHONPATH="$REPO" "$PY" "$REPO/scripts/pretrain_loss_table.py" "$OUT" ${strict[@]+"${strict[@]}"} 2>&1 | tee -a "$OUT/script.log"
 status=${PIPESTATUS[0]}
-log "done (table exit $status)"
+if ls "$OUT"/traces/*.npz > /dev/null 2>&1; then
+  # every trace the default's runs recorded: a row per microbatch of each iteration it trained (a
+  # checkpoint group's file: the resumed run's half), every rank's counts MICRO x seq x top-k
+  log "routing traces (--rails-trace)"
+  PYTHONPATH="$REPO" "$PY" "$REPO/scripts/pretrain_trace_check.py" "$OUT/traces" --iters "$ITERS" \
+    --accum "$ACCUM" --pairs-per-rank $((MICRO * SEQ * 2)) 2>&1 | tee -a "$OUT/script.log"
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
+fi
+log "done (exit $status)"
 exit "$status"

@@ -10,7 +10,7 @@ import pytest
 import megatron_rails.sim.run as run_mod
 from megatron_rails.config.run import load_run_config
 from megatron_rails.core.errors import InputError
-from megatron_rails.demo.trace import TraceError, load_trace, save_trace
+from megatron_rails.core.trace import TraceError, load_trace, save_trace
 from megatron_rails.sim.model import Setup, SimError, SimOptions
 from megatron_rails.sim.run import Workload, simulate_run
 

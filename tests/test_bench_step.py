@@ -206,3 +206,22 @@ def test_moving_workloads_train_like_stock(policies):
     alltoall's (a slot resident from an earlier microbatch that now serves another expert, or a
     placement kept from the step before, would leak a stale weight or gradient)."""
     spawn(_moving_parity, 2, policies)
+
+
+def test_step_report_counts_two_of_three():
+    """The docs' target table: a case is met where two of the three runs meet it."""
+    from megatron_rails.bench.step_report import rows_table, targets_over_runs, targets_table
+
+    def run(a, b, t):
+        rows = [{"workload": "w", "policy": "p", "ratio_vs_stock": a, "of_ideal": b, "stock_max_over_mean": 1.5,
+                 "max_over_mean_after": 1.0, "weight_bytes_per_step": 2e6, "relayouts_per_step": 1.0}]
+        return {"rows": rows, "meta": {"wall_s": 60.0}, "targets": {"x": {"w p": t[0], "w q": t[1]}, "time": t[2]}}
+
+    runs = [run(0.9, 0.95, (True, False, True)), run(0.91, 0.96, (True, True, False)),
+            run(0.92, 0.97, (False, False, False))]
+    got = targets_over_runs(runs)
+    assert got["x"]["cases"] == {"w p": (2, 3), "w q": (1, 3)} and not got["x"]["all_met"]
+    assert got["time"]["cases"] == {None: (1, 3)} and not got["time"]["all_met"]
+    assert targets_over_runs(runs[:2])["x"]["cases"]["w p"] == (2, 2)
+    assert "w q (1/3)" in targets_table(runs) and "| 1 of 2 |" in targets_table(runs)
+    assert "| w | p | 0.900 / 0.910 / 0.920 | 0.950 / 0.960 / 0.970 | 1.50 → 1.00 | 2.0 | 1.0 |" in rows_table(runs)

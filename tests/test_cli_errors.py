@@ -454,7 +454,7 @@ def test_empty_policy_is_the_same_error_everywhere(tmp):
 
 
 def test_plan_reads_a_trace_npz(tmp, capsys):
-    from megatron_rails.demo.trace import save_trace
+    from megatron_rails.core.trace import save_trace
 
     c = np.load(tmp / "c.npy")
     save_trace(tmp / "t.npz", np.stack([np.stack([c, c])] * 3), {"topk": 2})
@@ -554,7 +554,7 @@ def test_config_show_and_validate_take_preset_names(capsys):
     rc, out, err = run_cli(["config", "show", MINI, "--get", "parallelism.world_size", "--get", "balancer.nope"], capsys)
     assert rc == 2 and out == "" and "--get balancer.nope" in err
     rc, out, _ = run_cli(["config", "validate", "default", "nvl72"], capsys)
-    assert rc == 0 and "OK default (policy: fsep" in out and "OK nvl72 (topology" in out
+    assert rc == 0 and "OK default (policy: ultraep" in out and "OK nvl72 (topology" in out
     rc, _, err = run_cli(["config", "show", "dgx-z9"], capsys)
     assert rc == 2 and "no preset has that name" in err and "dgx-a100" in err and "ultraep" in err
 
@@ -743,7 +743,7 @@ def test_float16_counts_read_exactly_without_warnings(tmp, capsys):
 
 def test_a_trace_npz_is_a_file_skew_too(tmp, capsys):
     """--skew file:X takes the trace .npz that --counts and --trace take, and the help says so."""
-    from megatron_rails.demo.trace import save_trace
+    from megatron_rails.core.trace import save_trace
 
     c = np.load(tmp / "c.npy")
     save_trace(tmp / "skew.npz", np.stack([np.stack([c])] * 2), {"topk": 2})

@@ -16,7 +16,7 @@ def test_shipped_policy_configs_load(path):
 
 def test_default_is_fsep():
     default = PolicyConfig.from_yaml(POLICY_DIR / "default.yaml")
-    assert (default.policy, default.comm) == ("fsep", "rails")  # the product's shape: FSEP + RailS
+    assert (default.policy, default.comm) == ("ultraep", "rails")  # the product's shape: ultraep + RailS
 
 
 @pytest.mark.parametrize("text, match", [

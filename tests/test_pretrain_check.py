@@ -90,8 +90,9 @@ def test_cpu_runs(tmp_path):
             cfg = yaml.safe_load(Path(value(cmd, "--rails-config")).read_text())
             assert cfg == {"policy": policy, "comm": "rails", "ranks_per_node": 2, "rails_tolerance": 0,
                            "dedup": True}
-        elif policy == "default":
+        elif policy == "default":  # which also records its routing, a file per group
             assert Path(value(cmd, "--rails-config")) == ROOT / "megatron_rails/presets/policies/default.yaml"
+            assert value(cmd, "--rails-trace") == str(tmp_path / "out" / "traces" / f"{group}-default.npz")
         elif policy != "stock":
             assert value(cmd, "--moe-balancer") == policy
 

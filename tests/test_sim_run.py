@@ -13,7 +13,7 @@ from megatron_rails.core.planners import PlannerConfig, make_planner
 from megatron_rails.config.run import load_run_config
 from megatron_rails.sim.model import CommModel, Setup, SimOptions, layer_cost
 from megatron_rails.sim.run import COMPONENTS, Workload, rescale_rows, simulate_run
-from megatron_rails.demo.trace import load_trace, save_trace
+from megatron_rails.core.trace import load_trace, save_trace
 
 ROOT = Path(__file__).resolve().parents[1]
 X7 = str(ROOT / "configs" / "mixtral" / "mixtral-8x7b.yaml")

@@ -31,7 +31,7 @@ WHAT_IF = {"dgx-h100-800g": ("dgx-h100", dict(nic_gbps=800.0, description="what-
 FULL_GRID = dict(topologies=["dgx-h100", "dgx-a100", "dgx-h100-800g"], nodes=[2, 4, 8, 16, 32, 64, 128],
                  traffic=["uniform", "zipf:0.8", "zipf:1.0", "zipf:1.2", "zipf:1.5", "mixtral", "deepseek"])
 QUICK_GRID = dict(topologies=["dgx-h100"], nodes=[2, 4], traffic=["uniform", "zipf:1.2", "mixtral"])
-# token dedup: DeepSeek-V3-like routing, stock EP (`none`) and the product default policy (`deepseek` = fsep)
+# token dedup: DeepSeek-V3-like routing, stock EP (`none`) and fsep (`deepseek` alone means fsep)
 DEDUP_FULL = dict(topologies=["dgx-h100"], nodes=[2, 4, 8, 16, 32], traffic=["deepseek:none", "deepseek"])
 DEDUP_QUICK = dict(topologies=["dgx-h100"], nodes=[8], traffic=["deepseek:none"])
 DEDUP_KEEP = ("completion_us", "lower_bound_us", "ratio_to_lb", "phased_us", "fanout_us", "end_to_end_us",

@@ -42,6 +42,7 @@ median).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import resource
@@ -61,7 +62,7 @@ from ..core.errors import WorkloadError
 from ..core.step_workloads import (DEFAULT_WORKLOADS, TRACE, WORKLOADS, counts_E, parse_workloads, routing_for,
                                    stock_max_over_mean, use_trace)
 from ..core.workloads import load_counts
-from ..megatron import models
+from ..megatron import models, trace_log
 from ..megatron.cpu_shims import stock_alltoall
 from ..megatron.install import install, uninstall
 from ..runtime.comm.base import leave
@@ -93,9 +94,15 @@ class BenchError(ValueError):
     """Bad arguments for the step benchmark (one line, no traceback)."""
 
 
+RECORDED = "default+trace"  # --record: the default with the routing recorder on (megatron/trace_log.py)
+_trace_out: list[str] = []  # the recorded case's trace file, set by each rank's worker
+
+
 def _policy(name: str):
     if name == "default":
         return as_policy("default")
+    if name == RECORDED:
+        return dataclasses.replace(as_policy("default"), trace=_trace_out[0])
     return {"policy": name, "comm": "direct"}
 
 
@@ -116,8 +123,9 @@ def _chooser(workload: str, layer: int, rank: int, clock: type[Clock]):
 def build(world: int, shape: dict, policy: str, workload: str, rank: int, clock: type[Clock] = Clock,
           stock_dispatcher: str = "alltoall"):
     """Two MoE layers under `policy` (stock: Megatron-Core's `stock_dispatcher`, alltoall; allgather
-    is the tests' reference), weights seeded (the same under every policy), every router routing by
-    `workload` at `clock`'s step and microbatch."""
+    is the tests' reference; None: whatever megatron_rails.install() set, as the launcher does), weights
+    seeded (the same under every policy), every router routing by `workload` at `clock`'s step and
+    microbatch."""
     cfg = models.transformer_config(
         num_layers=1, hidden_size=shape["hidden"], num_attention_heads=4, num_moe_experts=shape["experts"],
         moe_router_topk=shape["topk"], ffn_hidden_size=shape["ffn"],
@@ -126,14 +134,15 @@ def build(world: int, shape: dict, policy: str, workload: str, rank: int, clock:
         use_cpu_initialization=True, moe_aux_loss_coeff=0.0, gated_linear_unit=True,
         activation_func=torch.nn.functional.silu, bias_activation_fusion=False,
         moe_router_load_balancing_type="none")
-    if policy != "stock":
+    ours = policy not in ("stock", None)
+    if ours:
         install(_policy(policy))
     try:
         with _stock(policy):
             torch.manual_seed(0)
             layers = torch.nn.ModuleList([models.build_moe_layer(cfg) for _ in range(shape["layers"])])
     finally:
-        if policy != "stock":
+        if ours:
             uninstall()
     for y, layer in enumerate(layers):
         models.route_by(layer, _chooser(workload, y, rank, clock))
@@ -221,8 +230,11 @@ def _minor_faults() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
-def _worker(rank, world, store, shape, micro, reps, warmups, workloads, out, heap_touch=HEAP_TOUCH, trace=None):
+def _worker(rank, world, store, shape, micro, reps, warmups, workloads, out, heap_touch=HEAP_TOUCH, trace=None,
+            record=False):
     os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[rank]})  # one core per rank
+    _trace_out[:] = [os.path.join(os.path.dirname(store), "recorded.npz")]
+    policies = [*POLICIES, RECORDED] if record else list(POLICIES)
     torch.set_num_threads(1)
     if trace is not None:
         use_trace(trace, shape["experts"], micro)
@@ -235,9 +247,9 @@ def _worker(rank, world, store, shape, micro, reps, warmups, workloads, out, hea
     _touch_heap(heap_touch)
     rows = []
     for w, (workload, warmup) in enumerate(zip(workloads, warmups)):
-        cases = list(POLICIES) if workload == IDEAL[0] else [*POLICIES, "ideal"]
-        built = {p: build(world, shape, p, workload, rank) for p in POLICIES}
-        built["ideal"], policy_of = ideal, dict({p: p for p in POLICIES}, ideal="stock")
+        cases = list(policies) if workload == IDEAL[0] else [*policies, "ideal"]
+        built = {p: build(world, shape, p, workload, rank) for p in policies}
+        built["ideal"], policy_of = ideal, dict({p: p for p in policies}, ideal="stock")
         opts = {p: torch.optim.SGD(m.parameters(), lr=LR) for p, m in built.items() if p != "ideal"}
         opts["ideal"] = ideal_opt
         times = {c: [] for c in cases}
@@ -262,13 +274,18 @@ def _worker(rank, world, store, shape, micro, reps, warmups, workloads, out, hea
                       file=sys.stderr, flush=True)
         steps = reps + warmup
         ref = np.array(times["ideal" if "ideal" in times else "stock"])
-        fault_p50 = torch.tensor([float(np.median(faults[p])) for p in POLICIES])
+        fault_p50 = torch.tensor([float(np.median(faults[p])) for p in policies])
         dist.all_reduce(fault_p50, op=dist.ReduceOp.MAX)
         E, k, T, Y = shape["experts"], shape["topk"], shape["tokens"], shape["layers"]
         stock_mm = float(np.mean([stock_max_over_mean(np.stack([counts_E(workload, SEED, i, m, y, d, T, E, k)
                                                                   for d in range(world)]))
                                   for i in range(steps) for m in range(micro) for y in range(Y)]))
-        for n, p in enumerate(POLICIES):
+        recorder = trace_log.recorders().get(_trace_out[0]) if record else None
+        if recorder is not None:  # the recording rank: what recording took, then what finishing the file takes
+            record_s, f0 = recorder.seconds, time.perf_counter()
+            trace_log.close_all()
+            flush_s = time.perf_counter() - f0
+        for n, p in enumerate(policies):
             t = np.array(times[p])
             layers = built[p]
             recs = [r for layer in layers for r in getattr(layer.token_dispatcher, "metrics", ())]
@@ -293,6 +310,12 @@ def _worker(rank, world, store, shape, micro, reps, warmups, workloads, out, hea
                          # what the stores keep for the step's buffers (runtime/hostbuf.py), in use or not
                          "host_blocks_bytes": sum(st.blocks.kept_bytes() for st in stores),
                          "minor_faults_p50": float(fault_p50[n])})
+            if p == RECORDED:
+                rows[-1].update(_median_and_quartiles("ratio_vs_default", t / np.array(times["default"])))
+                if recorder is not None:
+                    rows[-1].update(record_ms_per_step=record_s * 1e3 / steps, trace_flush_ms=flush_s * 1e3,
+                                    trace_rows=recorder.stream.rows)
+        trace_log.close_all()  # every rank: the next workload's layers start the file anew
         del built, opts
     if rank == 0:
         with open(out, "w") as f:
@@ -322,6 +345,10 @@ def targets(rows: list[dict], wall_s: float, quick: bool, workloads: tuple) -> d
         "no_balancer_slower_than_stock_by_2pct":
             {f"{w} {p}": by[(w, p)]["ratio_vs_stock"] <= 1.02 for w in workloads for p in BALANCERS},
     }
+    recorded = [r for r in rows if r["policy"] == RECORDED and "record_ms_per_step" in r]
+    if recorded:
+        out["recorder_le_1pct_of_step"] = {r["workload"]: r["record_ms_per_step"] <= 0.01 * r["step_ms_p50"]
+                                           for r in recorded}
     if tuple(workloads) == DEFAULT_WORKLOADS:
         out["quick_le_2_min" if quick else "default_set_le_15_min"] = wall_s <= (QUICK_S if quick else FULL_S)
     return out
@@ -338,9 +365,12 @@ def load_step_trace(path: str) -> np.ndarray:
 
 
 def bench_step(out: str, ranks: int = 2, microbatches: int = 8, quick: bool = False, plot: str | None = None,
-               reps: int | None = None, workloads: str | tuple | None = None, trace: str | None = None) -> dict:
+               reps: int | None = None, workloads: str | tuple | None = None, trace: str | None = None,
+               record: bool = False) -> dict:
     """The benchmark (see the module docstring); `trace`: also replay that recorded trace as the
-    workload "trace" (alone where `workloads` is not given)."""
+    workload "trace" (alone where `workloads` is not given); `record`: also run the default with the
+    routing recorder on (the case `default+trace`: its ratio to the default in the same round, and
+    the recorder's own time per step, `record_ms_per_step`, and finishing the file, `trace_flush_ms`)."""
     try:
         cores_for_ranks(ranks)
     except ValueError as e:
@@ -366,7 +396,7 @@ def bench_step(out: str, ranks: int = 2, microbatches: int = 8, quick: bool = Fa
     print(wrapped(f"step bench: {ranks} gloo ranks (one core each), {shape['layers']} MoE layers, hidden "
                   f"{shape['hidden']}, ffn {shape['ffn']}, {shape['experts']} experts top-{shape['topk']}, "
                   f"{shape['tokens']} tokens/rank/microbatch, {microbatches} microbatches/step; "
-                  f"{len(workloads)} workloads x {len(POLICIES)} policies (and the ideal), {reps} timed rounds "
+                  f"{len(workloads)} workloads x {len(POLICIES) + record} policies (and the ideal), {reps} timed rounds "
                   f"each"), file=sys.stderr)
     kept = {k: os.environ.get(k) for k in MALLOC_KEEP}
     malloc = {k: kept[k] or v for k, v in MALLOC_KEEP.items()}
@@ -377,7 +407,8 @@ def bench_step(out: str, ranks: int = 2, microbatches: int = 8, quick: bool = Fa
         with tempfile.TemporaryDirectory(prefix="rails-bench-") as rdzv:
             with quiet_children():
                 mp.start_processes(_worker, args=(ranks, f"{rdzv}/store", shape, microbatches, reps, warmups,
-                                                  workloads, f"{rdzv}/rows.json", heap_touch, counts_IYDE),
+                                                  workloads, f"{rdzv}/rows.json", heap_touch, counts_IYDE,
+                                                  record),
                                    nprocs=ranks,
                                    start_method="spawn")
             with open(f"{rdzv}/rows.json") as f:
@@ -390,7 +421,7 @@ def bench_step(out: str, ranks: int = 2, microbatches: int = 8, quick: bool = Fa
                 os.environ[k] = v
     wall_s = time.perf_counter() - t0
     res = {"meta": {"command": "megatron-rails bench step", "ranks": ranks, "microbatches": microbatches,
-                    "shape": shape, "reps": reps, "warmups": warmups, "lr": LR, "seed": SEED,
+                    "shape": shape, "reps": reps, "warmups": warmups, "lr": LR, "seed": SEED, "record": record,
                     "workloads": {w: WORKLOADS.get(w, TRACE_TEXT) for w in workloads}, "wall_s": wall_s,
                     **({"trace": {"path": str(trace), "shape": list(counts_IYDE.shape)}} if trace else {}),
                     "malloc": malloc, "heap_touched_bytes": heap_touch,

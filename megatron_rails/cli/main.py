@@ -88,7 +88,7 @@ def _counts_file(args):
     """The first [D, E] matrix of --counts (the loaders say what is wrong with a missing, directory,
     pipe or malformed file); --ranks / --experts, if given, must agree with it."""
     from ..core.policy import MAX_EXPERTS
-    from ..demo.trace import load_trace
+    from ..core.trace import load_trace
 
     c = load_trace(args.counts)[0][0, 0]  # every counts format and the trace .npz, as [steps, layers, D, E]
     for flag, n, most in (("ranks", c.shape[0], MAX_RANKS), ("experts", c.shape[1], MAX_EXPERTS)):
@@ -199,7 +199,7 @@ BENCH_MEASURES = {"planners": "plan() time and balance of every policy over EP s
 # the options each benchmark takes beyond --out and --quick (an option it would ignore is refused)
 BENCH_OPTIONS = {"planners": ("plot",), "dispatcher": (), "rails": ("plot",),
                  "local": ("device", "shape", "dtype", "rounds"), "step": ("plot", "ranks", "microbatches", "rounds", "workloads",
-                                                                   "trace")}
+                                                                   "trace", "record")}
 
 
 def _bench_args(args) -> None:
@@ -207,7 +207,7 @@ def _bench_args(args) -> None:
     fill in the defaults of those it takes. A figure's default name is --out's with .png; where --out
     is no file (/dev/stdout, a pipe), there is no default figure (plot False) unless --plot names one."""
     ignored = [f"--{k}" for k in ("plot", "device", "shape", "dtype", "ranks", "microbatches", "rounds", "workloads",
-                                  "trace")
+                                  "trace", "record")
                if getattr(args, k) is not None and k not in BENCH_OPTIONS[args.what]]
     if ignored:
         takes = ", ".join(f"--{k}" for k in BENCH_OPTIONS[args.what]) or "no options but --out and --quick"
@@ -276,7 +276,7 @@ def cmd_bench(args) -> int:
 
         try:
             bench_step(args.out, ranks=args.ranks, microbatches=args.microbatches, quick=args.quick, plot=args.plot,
-                       reps=args.rounds, workloads=args.workloads, trace=args.trace)
+                       reps=args.rounds, workloads=args.workloads, trace=args.trace, record=bool(args.record))
         except BenchError as err:  # bad arguments, found before any rank starts
             raise InputError(str(err)) from None
         return 0
@@ -376,7 +376,10 @@ def _add_bench(sub) -> None:
                    help=f"step: routing workloads, comma-separated (default: all: {', '.join(STEP_WORKLOADS)})")
     b.add_argument("--trace", type=in_file("--trace", "a trace (megatron-rails trace) or counts file"),
                    help="step: replay this recorded trace as the workload 'trace' (its proportions at the bench's "
-                        "tokens; alone unless --workloads names others)")
+                        "tokens; alone unless --workloads names others; default: none, the named workloads only)")
+    b.add_argument("--record", action="store_const", const=True, default=None,
+                   help="step: also time the default with the routing recorder on (policy key trace; the case "
+                        "default+trace, the recorder's own ms per step; default: off)")
     b.set_defaults(func=cmd_bench)
 
 

@@ -59,7 +59,7 @@ def register_trace(subparsers) -> None:
     from ..core.planners import POLICIES
 
     p = subparsers.add_parser("trace", help="record per-layer routing counts of the CPU demo for simulate run --trace",
-                              description="Train the tiny CPU demo model on gloo ranks with a TraceRecorder on and "
+                              description="Train the tiny CPU demo model on gloo ranks with the routing recorder on and "
                                           "save counts [steps, layers, ranks, experts] (docs/simulator.md).")
     p.add_argument("--out", required=True, type=out_file("--out"),
                    help="trace file: .npz (counts + metadata), .npy or .json")

@@ -94,7 +94,7 @@ def run(args) -> dict:
     opts = SimOptions(mfu=args.mfu, overlap=args.overlap, a2a_model=args.a2a_model, weight_sync=args.weight_sync,
                       dedup=dedup)
     if args.trace:
-        from ..demo.trace import load_trace
+        from ..core.trace import load_trace
 
         counts, _ = load_trace(args.trace)
         wl = Workload(setup, trace=counts, trace_path=args.trace, raw=args.trace_tokens == "raw", seed=args.seed)

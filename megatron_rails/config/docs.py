@@ -39,6 +39,10 @@ POLICY_DOCS = {
              "holding one of its experts and fans out over NVLink there; its outputs are summed in that node "
              "before they come back (the same bits either way). false: a row per token-expert pair. "
              "`simulate run` prices it the same way (`--dedup` overrides)",
+    "trace": "a .npz file recording every training forward's all-gathered token counts per microbatch and layer, "
+             "with each row's optimizer step (\"\": none): one writer per pipeline stage (stage s > 0: "
+             "FILE.stage{s}.npz), rewritten at every checkpoint and at exit; replay with `simulate run --trace` "
+             "and `bench step --trace`. The launcher's flag: `--rails-trace`",
     "check_plan": "validate the plan and all-reduce its digest every layer; raise on every rank on a mismatch (debug)",
 }
 TOPOLOGY_DOCS = {

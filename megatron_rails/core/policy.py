@@ -3,8 +3,9 @@
 Loaded from YAML (`PolicyConfig.from_yaml`, or a preset name through `as_policy`) or built
 directly; unknown keys and wrong types raise `ConfigError` naming the file and key.
 
-The product default is defined here once: `PolicyConfig()` (FSEP re-layout with the RailS
-all-to-all). The `default` preset (presets/policies/default.yaml) spells out the same values, and
+The product default is defined here once: `PolicyConfig()` (ultraep's exact-load quota planning
+over the owner layout, one replica slot per rank, the RailS all-to-all; `bench step` chose it over
+fsep, docs/benchmarks.md). The `default` preset (presets/policies/default.yaml) spells out the same values, and
 a dispatcher built without a policy takes `PolicyConfig()`.
 """
 from __future__ import annotations
@@ -114,9 +115,11 @@ class PolicyConfig:
     core/planners/step.replica_cost_tokens).  dedup: when the EP group spans nodes, a token crosses
     the network once per remote node it has pairs on and fans out inside the node; its outputs
     there are summed before they come back (runtime/dedup.py; the output is the same bits either
-    way)."""
+    way).  trace: a .npz file that records every training forward's all-gathered token counts, per
+    microbatch and layer ("": none; megatron/trace_log.py; `--rails-trace`), for `simulate run
+    --trace` and `bench step --trace`."""
 
-    policy: str = "fsep"
+    policy: str = "ultraep"
     slots: int = 1
     ranks_per_node: int = 0
     window: int = 10
@@ -128,6 +131,7 @@ class PolicyConfig:
     rails_tolerance: float = 0.05
     replica_cost_tokens: int = 0
     dedup: bool = True
+    trace: str = ""
 
     def __post_init__(self):
         from .planners import POLICIES
@@ -159,6 +163,9 @@ class PolicyConfig:
         if not valid_tolerance(self.rails_tolerance):
             raise ConfigError(f"rails_tolerance: expected a number in [0, 1] (busiest rail over the even spread - 1 "
                               f"that comm rails sends direct instead of spraying), got {shown(self.rails_tolerance)}")
+        if not isinstance(self.trace, str) or (self.trace and not self.trace.lower().endswith(".npz")):
+            raise ConfigError(f"trace: expected the path of a .npz file to record routing counts into (or \"\" for "
+                              f"none), got {shown(self.trace)}")
         for key in ("check_plan", "dedup"):
             if not isinstance(getattr(self, key), bool):
                 raise ConfigError(f"{key}: expected true or false, got {shown(getattr(self, key))}")

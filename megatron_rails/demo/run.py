@@ -1,7 +1,8 @@
-"""`megatron-rails demo`: train the tiny Mixtral-shaped model on CPU ranks twice, with stock
+"""`megatron-rails demo`: train the tiny Mixtral-shaped model on CPU ranks twice in one run, with stock
 Megatron-Core (its alltoall dispatcher, on CPU through megatron_rails.megatron.cpu_shims' stand-ins)
-and with the configured balancing policy, under skewed routing, with gradient accumulation over
-microbatches; every rank on a core of its own (ranks sharing a core cannot show stragglers, so step
+and with the configured balancing policy, from the same weights and step by step in turns (stock
+first on even steps, so a slow spell of the machine hits both alike), under skewed routing, with
+gradient accumulation over microbatches; every rank on a core of its own (ranks sharing a core cannot show stragglers, so step
 times would not compare). Prints loss parity against stock by the long-run rule (equal until the
 first near-tie routing flip; the flips counted), per-layer balance, traffic, plan time and step
 time; plots imbalance.
@@ -25,10 +26,11 @@ VIRTUAL_NODE = 2  # ranks per virtual node on CPU, so RailS and same-node routin
 
 
 def _run(policy_args: list[str], label: str, steps: int, ranks: int, out: str, quiet: bool,
-         microbatches: int, pin: bool, shape: str) -> dict:
-    """One training run (torchrun); its JSON, with "routing": its routing log (bool [Y, C, D, T, E])."""
+         microbatches: int, pin: bool, shape: str) -> tuple[dict, dict]:
+    """One training run (torchrun) of the policy and stock beside it, step by step in turns; their
+    JSON (stock's, the policy's), each with "routing": its routing log (bool [Y, C, D, T, E])."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
-           "--standalone", "-m", "megatron_rails.demo.train", "--shape", shape,
+           "--standalone", "-m", "megatron_rails.demo.train", "--shape", shape, "--against-stock",
            *policy_args, "--steps", str(steps), "--microbatches", str(microbatches), "--out", out,
            "--routing", f"{out}.routing.npz", *(["--pin"] if pin else [])]
     env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
@@ -37,14 +39,15 @@ def _run(policy_args: list[str], label: str, steps: int, ranks: int, out: str, q
     for line in proc.stdout:
         tail = (tail + [line])[-40:]
         if line.startswith("[") and " step " in line and not quiet:
-            print(f"  {label}: {line.split('] ', 1)[1].rstrip()}", file=sys.stderr, flush=True)
+            who, rest = line[1:].split("] ", 1)
+            print(f"  {'stock' if who == 'stock' else label}: {rest.rstrip()}", file=sys.stderr, flush=True)
     if proc.wait() != 0:
         raise ChildFailed(f"training run '{label}' failed (exit {proc.returncode}):\n{''.join(tail)}")
     with open(out) as f:
         res = json.load(f)
     with np.load(f"{out}.routing.npz") as z:
-        res["routing"] = z["maps"]
-    return res
+        res["stock"]["routing"], res["policy"]["routing"] = z["maps_stock"], z["maps"]
+    return res["stock"], res["policy"]
 
 
 def parity(base: dict, bal: dict) -> dict:
@@ -180,13 +183,12 @@ def run_demo(config: str | None = None, steps: int = 20, ranks: int | None = Non
     with tempfile.TemporaryDirectory() as tmp:
         print(wrapped(f"megatron-rails demo: {ranks} CPU ranks (gloo{', one core each' if pin else ', sharing cores'}) "
                       f"as {ranks // G} virtual node(s) x {G}, {steps} steps x {microbatches} microbatches, "
-                      f"skewed routing; stock Megatron-Core, then {pcfg.policy} (comm: {pcfg.comm}) from {config}"),
+                      f"skewed routing; stock Megatron-Core and {pcfg.policy} (comm: {pcfg.comm}, from {config}) "
+                      f"from the same weights, step by step in turns"),
               file=sys.stderr)
         node = ["--ranks-per-node", str(G)]
-        base = _run(["--policy", "stock"], "stock", steps, ranks, f"{tmp}/stock.json", json_out, microbatches, pin,
-                    shape)
-        bal = _run(["--config", config, *node], pcfg.policy, steps, ranks, f"{tmp}/bal.json", json_out, microbatches,
-                   pin, shape)
+        base, bal = _run(["--config", config, *node], pcfg.policy, steps, ranks, f"{tmp}/run.json", json_out,
+                         microbatches, pin, shape)
     bal["policy"] = pcfg.policy
     summary = summarize(base, bal)
     del base["routing"], bal["routing"]

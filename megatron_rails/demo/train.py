@@ -231,7 +231,11 @@ def main(argv=None) -> int:
                     help="pin every rank to a core of its own (refused with more ranks than cores)")
     ap.add_argument("--timeout-s", type=float, default=600.0,
                     help="process-group timeout: a collective waiting longer on a dead or stuck rank fails")
-    ap.add_argument("--routing", help="write every router's top-k choice per forward, all ranks (npz: maps)")
+    ap.add_argument("--routing", help="write every router's top-k choice per forward, all ranks (npz: maps; with "
+                                      "--against-stock: maps_stock and maps)")
+    ap.add_argument("--against-stock", action="store_true",
+                    help="also train stock Megatron-Core (its alltoall dispatcher) from the same weights, the two "
+                         "alternating step by step (stock first on even steps): --out holds both runs")
     ap.add_argument("--out", required=True)
     ap.add_argument("overrides", nargs="*", help="run-config overrides, e.g. training.train_iters=5")
     args = ap.parse_args(argv)
@@ -251,6 +255,9 @@ def main(argv=None) -> int:
         label = args.config or args.policy or "none"
     if args.microbatches < 1:
         ap.error(f"--microbatches {args.microbatches}: need at least 1")
+    if args.against_stock and (args.run_config or args.policy in ("stock", "stock-allgather")):
+        ap.error("--against-stock trains a policy beside stock: give --policy or --config, not --run-config or "
+                 "a stock --policy")
     rank, world = init_distributed(args.timeout_s)
     if args.pin:
         cores = sorted(os.sched_getaffinity(0))
@@ -285,24 +292,36 @@ def main(argv=None) -> int:
         install(cfg)
         model = build_model(shape, world, "alltoall")
         uninstall()
-    times = []
+    # (label, model, its dispatcher type where stock, optimizer): with --against-stock stock beside, from
+    # the same weights (build_model seeds them), each step run by both, which one first alternating
+    runs = [(label, model, stock, opt)]
+    if args.against_stock:
+        with stock_alltoall():
+            runs.insert(0, ("stock", build_model(shape, world, "alltoall"), "alltoall", None))
+    times = {name: [] for name, *_ in runs}
+    losses = {name: [] for name, *_ in runs}
+    logs = {name: RoutingLog(m) for name, m, *_ in runs} if args.routing else {}
+    opts = {name: o for name, _, _, o in runs}
+    for s in range(steps):
+        for name, m, kind, _ in (runs if s % 2 == 0 else runs[::-1]):
+            def progress(step, loss, step_s, name=name):
+                times[name].append(step_s)
+                if rank == 0:
+                    print(f"[{name}] step {step + 1}/{steps} loss {loss:.5f} ({step_s * 1e3:.0f} ms)", flush=True)
 
-    def progress(step, loss, step_s):
-        times.append(step_s)
-        if rank == 0:
-            print(f"[{label}] step {step + 1}/{steps} loss {loss:.5f} ({step_s * 1e3:.0f} ms)", flush=True)
-
-    log = RoutingLog(model) if args.routing else None
-    with stock_alltoall() if stock == "alltoall" else contextlib.nullcontext():
-        losses, _ = train_steps(model, shape, steps, rank, world, opt=opt, on_step=progress,
-                                microbatches=args.microbatches)
-    maps_YCDTE = log.gathered() if log else None
-    if rank == 0 and log:
+            with stock_alltoall() if kind == "alltoall" else contextlib.nullcontext():
+                got, opts[name] = train_steps(m, shape, 1, rank, world, opt=opts[name], start=s, on_step=progress,
+                                              microbatches=args.microbatches)
+            losses[name] += got
+    maps = {("maps" if name == label else "maps_stock"): log.gathered() for name, log in logs.items()}
+    if rank == 0 and logs:
         with open_for_writing(args.routing, "wb") as f:  # np.savez(str) would append .npz to other names
-            np.savez_compressed(f, maps=maps_YCDTE)
+            np.savez_compressed(f, **maps)
     if rank == 0:
-        out = {"policy": label, "world": world, "losses": losses, "step_s": times, "microbatches": args.microbatches,
-               "layers": dispatcher_metrics(model)}
+        results = {name: {"policy": name, "world": world, "losses": losses[name], "step_s": times[name],
+                          "microbatches": args.microbatches, "layers": dispatcher_metrics(m)}
+                   for name, m, *_ in runs}
+        out = results[label] if not args.against_stock else {"stock": results["stock"], "policy": results[label]}
         if rc is not None:
             out.update(run_config=args.run_config, overrides=list(args.overrides), seed=seed, steps=steps)
         with open(args.out, "w") as f:

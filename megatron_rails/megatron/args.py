@@ -9,6 +9,7 @@
 | `--moe-balancer P`        | policy           | the YAML's, else stock Megatron (nothing installed) |
 | `--moe-balancer-slots R`  | slots            | the YAML's, else PolicyConfig's |
 | `--moe-rails-comm C`      | comm             | the YAML's, else PolicyConfig's |
+| `--rails-trace F.npz`     | trace            | the YAML's, else none (megatron/trace_log.py) |
 | `--rails-config F.yaml`   | (whole file)     | none |
 
 Precedence: PolicyConfig defaults < `--rails-config` YAML < the flags above.
@@ -30,6 +31,7 @@ FLAGS = {
     "moe_balancer": ("--moe-balancer", "policy"),
     "moe_balancer_slots": ("--moe-balancer-slots", "slots"),
     "moe_rails_comm": ("--moe-rails-comm", "comm"),
+    "rails_trace": ("--rails-trace", "trace"),
     "rails_config": ("--rails-config", None),
 }
 DISPATCHER_FLAG = "--moe-token-dispatcher-type alltoall"
@@ -52,6 +54,17 @@ def _yaml_file(text: str) -> str:
     return text
 
 
+def _trace_file(text: str) -> str:
+    """A .npz path whose directory exists: refused at the first parse, not when the model is built."""
+    from pathlib import Path
+
+    if not text.lower().endswith(".npz"):
+        raise argparse.ArgumentTypeError(f"expected a .npz file to record the routing trace into, got {text!r}")
+    if not Path(text).parent.is_dir():
+        raise argparse.ArgumentTypeError(f"{text}: directory {str(Path(text).parent)!r} does not exist")
+    return text
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the "megatron-rails" argument group to `parser` and return it. Adding twice is a no-op
     (the patched pretrain_gpt.py run through the launcher chains it twice)."""
@@ -68,6 +81,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        help="redundant expert slots per rank (policy key `slots`)")
     group.add_argument("--moe-rails-comm", choices=COMMS, default=None,
                        help="token all-to-all backend (policy key `comm`)")
+    group.add_argument("--rails-trace", type=_trace_file, default=None, metavar="FILE.npz",
+                       help="record every training forward's token counts per microbatch and MoE layer into this "
+                            "trace (policy key `trace`; pipeline stage s > 0 writes FILE.stage{s}.npz); rewritten "
+                            "after every checkpoint save and at exit")
     group.add_argument("--rails-config", type=_yaml_file, default=None, metavar="FILE.yaml",
                        help="policy YAML (configs/policies/*.yaml); the flags above override its keys")
     return parser
@@ -112,7 +129,8 @@ def policy_from_args(args) -> PolicyConfig | None:
     args = _namespace(args)
     given = {dest: getattr(args, dest, None) for dest in FLAGS}
     if given["moe_balancer"] is None and given["rails_config"] is None:
-        stray = [FLAGS[d][0] for d in ("moe_balancer_slots", "moe_rails_comm") if given[d] is not None]
+        stray = [FLAGS[d][0] for d in ("moe_balancer_slots", "moe_rails_comm", "rails_trace")
+                 if given[d] is not None]
         if stray:
             raise ConfigError(f"{' and '.join(stray)} given without --moe-balancer or --rails-config: "
                               "name a policy with one of them")
@@ -172,6 +190,7 @@ def install_from_args(args, *, quiet: bool = False) -> PolicyConfig | None:
     global _last_logged
     if not quiet and cfg != _last_logged and int(os.environ.get("RANK", "0")) == 0:
         print(f"megatron-rails: installed policy={cfg.policy} slots={cfg.slots} comm={cfg.comm}"
+              + (f" trace={cfg.trace}" if cfg.trace else "")
               + (f" (from {args.rails_config})" if getattr(args, "rails_config", None) else ""), flush=True)
     _last_logged = cfg
     return cfg

@@ -61,6 +61,10 @@ class RailsTokenDispatcher(MoETokenDispatcher):
                           f"adds its cost (the padding rows are sent and computed as stock does); use policy "
                           f"none, or drop the padding", RuntimeWarning, stacklevel=2)
         self.runtime = LayerRuntime(self.pcfg, self.ep_group, self.num_experts)
+        if self.pcfg.trace:  # this layer's counts into the policy's routing trace (writer ranks only)
+            from .trace_log import recorder_for
+
+            recorder_for(self.pcfg.trace, self)
         hook_ddp()  # slot gradients follow DDP's gradient sync (grad_sync.py)
         self.ep_rank = self.runtime.rank
         self._layer = None  # weak reference to the MoELayer (attach_experts), for Megatron's metric tracker

@@ -14,7 +14,9 @@ For the duration of the run we wrap:
   into each parser Megatron builds, so they are accepted and listed by `--help`;
 * `parse_and_validate_args` (>= 0.18), else `initialize_megatron` (<= 0.17, in `training`,
   `initialize` and the package): when it returns, `install_from_args(args)` runs, after Megatron
-  validated its arguments and before any model is built.
+  validated its arguments and before any model is built;
+* `save_checkpoint` (in `checkpointing`, and the name `training` imported from it): when a save
+  returns, every routing trace being recorded is rewritten (`--rails-trace`, trace_log.flush_all).
 """
 from __future__ import annotations
 
@@ -106,6 +108,19 @@ def _define_te_general_gemm() -> None:
               file=sys.stderr, flush=True)
 
 
+def _flush_traces_after(fn):
+    """`fn` (a checkpoint save) followed by trace_log.flush_all()."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        result = fn(*args, **kwargs)
+        from .trace_log import flush_all
+
+        flush_all()
+        return result
+
+    return wrapper
+
+
 def _install_after(fn, final_args):
     """`fn` followed by install_from_args(final_args(result))."""
     @functools.wraps(fn)
@@ -160,6 +175,10 @@ def megatron_lm_hooks():
             raise LaunchError("megatron.training has neither arguments.parse_and_validate_args nor "
                               "training.initialize_megatron: unsupported Megatron-LM version; use the patches in "
                               "patches/megatron-lm/")
+        checkpointing = sys.modules.get("megatron.training.checkpointing")  # training imported it
+        for module in (training, checkpointing):
+            if module is not None:
+                patch(module, "save_checkpoint", _flush_traces_after)
         yield
     finally:
         for module, name, original in reversed(saved):

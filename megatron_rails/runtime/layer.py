@@ -160,6 +160,9 @@ class LayerRuntime:
         self.sent: Optional[SendOrder] = None
         self.link: Optional[torch.Tensor] = None  # split_received's ReturnGate output, for merge
         self._step_forwards = 0  # training forwards (microbatches) of the latest finished step
+        # called with counts_DE (int64 [D, E], on the host) once per training forward, not for a
+        # replay: the routing recorder's (megatron/trace_log.py)
+        self.count_sink: Optional[Callable[[np.ndarray], None]] = None
 
     def attach(self, kind: ExpertKind, before_read=None) -> None:
         """Take over the experts `kind` describes (the adapter of runtime/expert_kind.py);
@@ -190,6 +193,8 @@ class LayerRuntime:
         # mode, without dropout); inference mode never runs a backward (and its tensors cannot join
         # a training window)
         trains = not torch.is_inference_mode_enabled() and (torch.is_grad_enabled() or bool(training))
+        if self.count_sink is not None and trains and not replay:
+            self.count_sink(counts_DE)
         self.store.refresh()
         plan, opened = self._plan(counts_DE, replay, trains)
         t2 = time.perf_counter()

@@ -65,7 +65,7 @@ def _run_with_fault(tmp_path, fault: str, policy_args: list[str], monitor_s: int
 
 
 DEFAULT = ["--config", str(Path(__file__).resolve().parents[2] / "configs" / "policies" / "default.yaml"),
-           "--ranks-per-node", "2"]  # fsep + RailS on 2 virtual nodes of 2 ranks
+           "--ranks-per-node", "2"]  # the default (ultraep + RailS) on 2 virtual nodes of 2 ranks
 
 
 @pytest.mark.parametrize("action,site,policy_args,expect", [
