@@ -25,7 +25,8 @@ def _want(workload, ranks, steps=STEPS, micro=MICRO, shape=SMALL):
     from megatron_rails.core.step_workloads import routing_for
 
     T, E, k, Y = shape["tokens"], shape["experts"], shape["topk"], shape["layers"]
-    return np.array([[[routing_for(workload, SEED, s, m, y, d, T, E, k).sum(axis=0) for d in range(ranks)]
+    return np.array([[[np.bincount(routing_for(workload, SEED, s, m, y, d, T, E, k).ravel(), minlength=E)
+                        for d in range(ranks)]
                       for y in range(Y)] for s in range(steps) for m in range(micro)], dtype=np.int64)
 
 
@@ -44,9 +45,11 @@ def _train(layers, xs, steps, first=0, evaluate=False, recompute=False):
                 else:
                     out = bench._forward(layers, x)
                 out.pow(2).mean().backward()
-        if evaluate:  # an evaluation forward between steps: routed, planned, never recorded
+        if evaluate:  # an evaluation forward between steps (eval mode, as Megatron's evaluate): never recorded
+            layers.eval()
             with torch.no_grad():
                 bench._forward(layers, xs[0])
+            layers.train()
         opt.step()
         opt.zero_grad(set_to_none=True)
 
@@ -181,7 +184,7 @@ def test_replay_gives_back_the_recorded_counts(tmp_path):
         for m in range(MICRO):
             for y in range(Y):
                 for d in range(D):
-                    got = routing_for(TRACE, 0, s, m, y, d, T, E, k).sum(axis=0)
+                    got = np.bincount(routing_for(TRACE, 0, s, m, y, d, T, E, k).ravel(), minlength=E)
                     np.testing.assert_array_equal(got, counts[s * MICRO + m, y, d])
     np.testing.assert_array_equal(load_step_trace(str(tmp_path / "r.npz")), counts)  # bench step --trace's reader
 
