@@ -10,6 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from megatron_rails.core.policy import PolicyConfig
+
 ROOT = Path(__file__).resolve().parents[1]
 X7 = str(ROOT / "configs" / "mixtral" / "mixtral-8x7b.yaml")
 CLI = [sys.executable, "-m", "megatron_rails.cli"]
@@ -207,7 +209,8 @@ def test_config_lines_fit_80_columns(tmp_path):
     for path in cases:
         out = run80("config", "validate", path).stdout
         flat = " ".join(out.split())  # wrapped, nothing cut
-        assert flat.startswith(f"OK {path} (run: ") and flat.endswith("balancer fsep)"), out
+        # the config names `balancer: default`: the line shows the default policy, whichever it is
+        assert flat.startswith(f"OK {path} (run: ") and flat.endswith(f"balancer {PolicyConfig().policy})"), out
         first = f"OK {path}\n" if len(f"OK {path} (run:") > 80 else f"OK {path} (run:"
         assert out.startswith(first), out  # the path never broken: grep finds its line
         assert fits(out, f"OK {path}"), out

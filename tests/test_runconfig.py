@@ -74,7 +74,7 @@ def test_overrides():
     assert (c.balancer.policy, c.balancer.slots, c.training.train_iters, c.training.lr) == ("ultraep", 2, 10, 3e-4)
     # a balancer given as a file: the file is loaded, then the key set
     c = load_run_config(M8x7, ["balancer.slots=3", "parallelism.nodes=8", "topology=dgx-a100"])
-    assert (c.balancer.policy, c.balancer.slots, c.world_size, c.topology.name) == ("fsep", 3, 64, "dgx-a100")
+    assert (c.balancer.policy, c.balancer.slots, c.world_size, c.topology.name) == ("ultraep", 3, 64, "dgx-a100")
     c = load_run_config(MINI, ["balancer=configs/policies/eplb.yaml", "balancer.ranks_per_node=0"])
     assert (c.balancer.policy, c.balancer.ranks_per_node) == ("eplb", 2)  # derived from topology cpu-2x2
     c = load_run_config(MINI, ["balancer=null", "model.moe_token_dispatcher_type=allgather"])
