@@ -79,8 +79,13 @@ def test_quick_run_rows(tmp_path):
                 load_D = [load_E[d * E // ranks:(d + 1) * E // ranks].sum() for d in range(ranks)]
                 mm.append(max(load_D) / np.mean(load_D))
         assert r["stock_max_over_mean"] == pytest.approx(np.mean(mm), rel=1e-12), (w, policy)
+    # stock's experts on a rank, counted by hand: E / D experts of fc1 [2 F, H] (gated) and fc2 [H, F],
+    # fp32 weights and their gradients (the probe ran after the last backward), in every layer
+    H, F, E, Y = shape["hidden"], shape["ffn"], shape["experts"], shape["layers"]
+    by_hand = Y * (E // ranks) * 3 * H * F * 4 * 2
     for w in workloads:
         stock = rows[(w, "stock")]
+        assert stock["expert_bytes_per_rank"] == by_hand and stock["slot_bytes"] == 0
         assert stock["ratio_vs_stock"] == 1.0 and stock["weight_bytes_per_step"] == 0
         assert stock["relayouts_per_step"] == 0 and stock["max_over_mean_after"] == stock["stock_max_over_mean"]
     assert rows[("balanced", "stock")]["of_ideal"] == 1.0

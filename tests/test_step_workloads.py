@@ -24,6 +24,10 @@ def _stock_mm(name, T=512, E=8, k=2, D=2, steps=4, micro=8, layers=2):
 @pytest.mark.parametrize("name", list(sw.WORKLOADS))
 @pytest.mark.parametrize("T,E,k", [(512, 8, 2), (37, 8, 2), (24, 4, 3), (10, 2, 1), (9, 3, 3), (64, 16, 4)])
 def test_routing_is_exact(name, T, E, k):
+    if name in sw.SHIPPED and E != 8:  # a recorded workload has its trace's experts only
+        with pytest.raises(WorkloadError, match="8 experts|have 8"):
+            sw.counts_E(name, 0, 0, 0, 0, 0, T, E, k)
+        return
     for s, m, y, d in [(0, 0, 0, 0), (1, 3, 1, 1), (5, 7, 0, 3)]:
         c = sw.counts_E(name, 0, s, m, y, d, T, E, k)
         assert c.sum() == T * k and (c <= T).all() and (c >= 0).all()
@@ -34,6 +38,41 @@ def test_routing_is_exact(name, T, E, k):
         # deterministic: the same arguments anew (past the cache) give the same routing
         again = sw.routing_Tk(sw.counts_E.__wrapped__(name, 0, s, m, y, d, T, E, k), T, k, (0, name, s, m, y, d))
         assert np.array_equal(again, idx)
+
+
+def test_learned_replays_the_shipped_demo_trace():
+    """At the trace's own tokens per rank the rescale is the identity: microbatch m of step s is the
+    recorded call 8 s + m (8 microbatches a step until use_trace says otherwise), layer and rank as
+    recorded; ranks beyond the recorded 2 repeat them."""
+    from megatron_rails.core.trace import load_trace
+
+    c, meta = load_trace(sw.SHIPPED["learned"])
+    T, (I, Y, D, E) = meta["tokens_per_rank"], c.shape
+    assert (Y, D, E, meta["topk"]) == (2, 2, 8, 2) and I >= 8 * 7  # a full bench's rounds without wrapping
+    sw._TRACES.pop("learned", None)
+    for s, m, y, d in [(0, 0, 0, 0), (0, 5, 1, 1), (3, 7, 0, 1), (7, 7, 1, 0), (2, 1, 1, 3)]:
+        got = sw.counts_E.__wrapped__("learned", 0, s, m, y, d, T, E, 2)
+        assert got.tolist() == c[(8 * s + m) % I, y, d % D].tolist()
+    sw.use_trace(None, 8, 4, "learned")  # the bench's 4 microbatches a step
+    try:
+        assert sw.counts_E("learned", 0, 3, 1, 0, 0, T, E, 2).tolist() == c[13, 0, 0].tolist()
+    finally:
+        sw._TRACES.pop("learned")
+        sw.counts_E.cache_clear()
+    with pytest.raises(WorkloadError, match="has no weights"):
+        sw.weights_E("learned", 8, 0, 0, 0, 0, 0)
+
+
+def test_the_shipped_trace_is_what_the_demo_records(tmp_path):
+    """The shipped trace's first steps recorded afresh (`megatron-rails trace`, the command its
+    comment names): the same counts, bar a handful of tokens a CPU's float rounding may flip."""
+    from megatron_rails.core.trace import load_trace
+    from megatron_rails.demo.trace import record_demo
+
+    shipped = load_trace(sw.SHIPPED["learned"])[0]
+    fresh = load_trace(record_demo(str(tmp_path / "t.npz"), steps=3, ranks=2, quiet=True))[0]
+    assert fresh.shape == (3, *shipped.shape[1:])
+    assert np.abs(fresh - shipped[:3]).sum() <= 0.01 * fresh.sum(), (fresh - shipped[:3]).tolist()
 
 
 def test_balanced_is_exact_and_zero_is_zero():

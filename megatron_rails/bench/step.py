@@ -6,8 +6,8 @@ per core (ranks sharing a core cannot show stragglers: only total work would cou
 step = M microbatches (all but the last under `megatron_rails.no_sync()`, as Megatron's schedules
 run them) then SGD. Routing: every router hands the dispatcher the exact routing map of a workload
 (core/step_workloads.py: balanced, hot experts on one rank or spread, moderate skew, skew in the
-source, zero-load experts, a rotating hot spot, a burst, zipf), a function of (workload, seed,
-step, microbatch, layer, rank): every case of a workload sees the same tokens go to the same
+source, zero-load experts, a rotating hot spot, a burst, zipf, the demo model's recorded routing),
+a function of (workload, seed, step, microbatch, layer, rank): every case of a workload sees the same tokens go to the same
 experts. `stock` is Megatron-Core's own MoEAlltoAllTokenDispatcher (on CPU through the stand-ins
 of megatron_rails.megatron.cpu_shims.stock_alltoall around its split-size copy; equal to stock
 allgather there, tests/test_bench_step.py); `default` is the shipped default config; the other
@@ -59,8 +59,8 @@ from ..core.limits import cores_for_ranks
 from ..core.outfile import save_figure, summary_stream, write_text
 from ..core.policy import as_policy
 from ..core.errors import WorkloadError
-from ..core.step_workloads import (DEFAULT_WORKLOADS, TRACE, WORKLOADS, counts_E, parse_workloads, routing_for,
-                                   stock_max_over_mean, use_trace)
+from ..core.step_workloads import (DEFAULT_WORKLOADS, SHIPPED, TRACE, WORKLOADS, counts_E, parse_workloads,
+                                   routing_for, stock_max_over_mean, use_trace)
 from ..core.workloads import load_counts
 from ..megatron import models, trace_log
 from ..megatron.cpu_shims import stock_alltoall
@@ -167,14 +167,17 @@ def _forward(layers, x):
     return x
 
 
-def _step(layers, opt, xs, step: int, policy: str, clock: type[Clock] = Clock) -> None:
-    """One optimizer step: every microbatch but the last accumulates under no_sync()."""
+def _step(layers, opt, xs, step: int, policy: str, clock: type[Clock] = Clock, probe=None) -> None:
+    """One optimizer step: every microbatch but the last accumulates under no_sync(); `probe(layers)`
+    runs after the last backward, gradients present (the memory measurement)."""
     clock.step = step
     with _stock(policy):
         for i, x in enumerate(xs):
             clock.micro = i
             with no_sync() if i < len(xs) - 1 else contextlib.nullcontext():
                 (_forward(layers, x).pow(2).mean() / len(xs)).backward()
+        if probe is not None:
+            probe(layers)
         opt.step()
         opt.zero_grad(set_to_none=True)
 
@@ -201,18 +204,15 @@ def expert_bytes(layer) -> tuple[int, int]:
     return sum(seen.values()), slots
 
 
-def _measure_memory(layers, xs, step: int, policy: str, clock: type[Clock] = Clock) -> tuple[int, int]:
-    """expert_bytes summed over layers, right after a step's last backward (gradients present)."""
-    clock.step = step
-    with _stock(policy):
-        for i, x in enumerate(xs):
-            clock.micro = i
-            with no_sync() if i < len(xs) - 1 else contextlib.nullcontext():
-                (_forward(layers, x).pow(2).mean() / len(xs)).backward()
-    got = np.sum([expert_bytes(layer) for layer in layers], axis=0)
-    for p in layers.parameters():
-        p.grad = None
-    return int(got[0]), int(got[1])
+def memory_probe(into: dict, case: str):
+    """A `_step` probe putting expert_bytes summed over the layers, (experts, slots), in into[case]:
+    taken in a case's last timed round (iterating the parameters costs microseconds against a step of
+    seconds), not in a step of its own."""
+    def probe(layers):
+        got = np.sum([expert_bytes(layer) for layer in layers], axis=0)
+        into[case] = (int(got[0]), int(got[1]))
+
+    return probe
 
 
 def _median_and_quartiles(name: str, per_round: np.ndarray) -> dict:
@@ -238,6 +238,9 @@ def _worker(rank, world, store, shape, micro, reps, warmups, workloads, out, hea
     torch.set_num_threads(1)
     if trace is not None:
         use_trace(trace, shape["experts"], micro)
+    for name in SHIPPED:  # a recorded workload's microbatch m of step s: its call s M + m
+        if name in workloads:
+            use_trace(None, shape["experts"], micro, name)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     models.init_model_parallel(world)
     xs = _microbatches(rank, shape, micro)
@@ -254,6 +257,7 @@ def _worker(rank, world, store, shape, micro, reps, warmups, workloads, out, hea
         opts["ideal"] = ideal_opt
         times = {c: [] for c in cases}
         faults = {c: [] for c in cases}
+        memory = {}
         for it in range(reps + warmup):
             # a fresh order every round: rotating one fixed order, each case always ran right after the
             # same other, and that placement showed (fsep and default, one computation on one node,
@@ -263,7 +267,8 @@ def _worker(rank, world, store, shape, micro, reps, warmups, workloads, out, hea
                 step = ideal_steps if c == "ideal" else it
                 dist.barrier()
                 f0, t0 = _minor_faults(), time.perf_counter()
-                _step(built[c], opts[c], xs, step, policy_of[c])
+                last = it == reps + warmup - 1 and c != "ideal"
+                _step(built[c], opts[c], xs, step, policy_of[c], probe=memory_probe(memory, c) if last else None)
                 dist.barrier()
                 ideal_steps += c == "ideal"
                 if it >= warmup:
@@ -291,7 +296,7 @@ def _worker(rank, world, store, shape, micro, reps, warmups, workloads, out, hea
             recs = [r for layer in layers for r in getattr(layer.token_dispatcher, "metrics", ())]
             fetch = sum(r["weight_bytes_sent"] for r in recs) / steps
             per_micro = sum(r["weight_bytes_if_fetched"] for r in recs) / steps
-            experts, slots = _measure_memory(layers, xs, steps, p)
+            experts, slots = memory[p]
             stores = [layer.token_dispatcher.store for layer in layers if p != "stock"]
             rows.append({"policy": p, "workload": workload, "step_ms_p50": float(np.median(t) * 1e3),
                          **_median_and_quartiles("ratio_vs_stock", t / np.array(times["stock"])),

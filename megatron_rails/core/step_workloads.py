@@ -25,7 +25,9 @@ from functools import lru_cache
 import numpy as np
 
 from .errors import WorkloadError
+from .presets import PRESETS_DIR
 from .sampling import sample_topk_counts
+from .trace import load_trace
 
 # name -> what it models (the docs and `bench step --help` list these)
 WORKLOADS = {
@@ -42,10 +44,16 @@ WORKLOADS = {
     "burst": "uniform, but every 4th microbatch a hot pair (hot-rank's heat) that moves every step",
     "zipf:1.2": "zipf 1.2 weights over a random expert order per layer",
     "zipf:2.0": "zipf 2.0 weights over a random expert order per layer",
+    "learned": "the CPU demo model's own routing as it trained (a shipped trace: 64 steps on 2 ranks, "
+               "its router learning under the demo's bias), rescaled like --trace",
 }
 DEFAULT_WORKLOADS = tuple(WORKLOADS)
 TRACE = "trace"  # `bench step --trace FILE`: a recorded trace's counts, rescaled (`use_trace`)
-_TRACES: dict[str, np.ndarray] = {}  # TRACE -> its counts [I, Y, D, E], in this process
+# recorded workloads shipped with the package. Regenerate (deterministic on one machine):
+#   megatron-rails trace --out megatron_rails/presets/traces/demo-learned.npz --steps 64 --ranks 2
+SHIPPED = {"learned": PRESETS_DIR / "traces" / "demo-learned.npz"}
+SHIPPED_MICROBATCHES = 8  # a shipped trace's microbatches per step until `use_trace` says the bench's
+_TRACES: dict[str, tuple[np.ndarray, int]] = {}  # name -> (counts [I, Y, D, E], microbatches per step)
 HOT_PAIR = 0.85  # the hot pair's share in hot-set, hot-rank, spread, source, rotating, burst
 
 
@@ -105,8 +113,9 @@ def zero_weights_E(E: int, k: int) -> np.ndarray:
 def weights_E(name: str, E: int, seed: int, step: int, micro: int, layer: int, rank: int,
               k: int = 1) -> np.ndarray | None:
     """float64 [E]: the routing weights rank `rank`'s tokens route by (None: `balanced`, exact counts)."""
-    if name not in WORKLOADS:
-        raise WorkloadError(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")
+    if name not in WORKLOADS or name in SHIPPED:
+        raise WorkloadError(f"workload {name!r} has no weights: {', '.join(SHIPPED)} replay recorded counts"
+                            if name in SHIPPED else f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")
     if E < 2:
         raise WorkloadError(f"workload {name!r} needs at least 2 experts, got {E}")
     base = (2 * layer) % E  # a different hot pair per layer
@@ -154,8 +163,8 @@ def counts_E(name: str, seed: int, step: int, micro: int, layer: int, rank: int,
     deterministic function of its arguments. Read only (cached)."""
     if not 1 <= k <= E or T < 0:
         raise WorkloadError(f"need 1 <= topk <= experts and tokens >= 0, got topk {k}, experts {E}, tokens {T}")
-    if name == TRACE:
-        out = _trace_row(step, micro, layer, rank, T, E, k)
+    if name == TRACE or name in SHIPPED:
+        out = _trace_row(name, step, micro, layer, rank, T, E, k)
         out.setflags(write=False)
         return out
     p = weights_E(name, E, seed, step, micro, layer, rank, k)
@@ -184,21 +193,25 @@ def routing_Tk(counts: np.ndarray, T: int, k: int, seed_key: tuple = ()) -> np.n
     return np.ascontiguousarray(idx_kT.T[perm])
 
 
-def use_trace(counts_IYDE: np.ndarray, experts: int, microbatches: int) -> str:
-    """Make TRACE replay `counts_IYDE` (int [I, Y, D, E], a recorded trace: one [D, E] per planner
-    call I, layer Y): microbatch m of step s, layer y, rank d routes like the trace's call
-    (s M + m) mod I, layer y mod Y, rank d mod D, rescaled to the bench's tokens (`rescaled`).
-    Returns TRACE; WorkloadError where the trace's experts are not the bench's."""
-    c = np.asarray(counts_IYDE)
+def use_trace(counts_IYDE: np.ndarray, experts: int, microbatches: int, name: str = TRACE) -> str:
+    """Make workload `name` (TRACE, or a SHIPPED one: None reads its file) replay `counts_IYDE` (int
+    [I, Y, D, E], a recorded trace: one [D, E] per planner call I, layer Y) at `microbatches` per
+    step: microbatch m of step s, layer y, rank d routes like the trace's call (s M + m) mod I, layer
+    y mod Y, rank d mod D, rescaled to the bench's tokens (`rescaled`). Returns `name`;
+    WorkloadError where the trace's experts are not the bench's."""
+    what = "--trace" if name == TRACE else f"workload {name!r} ({SHIPPED[name]})"
+    c = np.asarray(load_trace(SHIPPED[name])[0] if counts_IYDE is None else counts_IYDE)
     if c.ndim != 4 or c.shape[-1] != experts:
-        raise WorkloadError(f"--trace: the trace's counts are [steps, layers, ranks, experts] {list(c.shape)}; "
+        raise WorkloadError(f"{what}: the trace's counts are [steps, layers, ranks, experts] {list(c.shape)}; "
                             f"the bench's layers have {experts} experts")
     if (c.sum(axis=-1) == 0).any():
-        raise WorkloadError("--trace: a layer routed no tokens at some step and rank: nothing to rescale")
-    _TRACES[TRACE] = (c.astype(np.int64), int(microbatches))
+        raise WorkloadError(f"{what}: a layer routed no tokens at some step and rank: nothing to rescale")
+    if microbatches < 1:
+        raise WorkloadError(f"{what}: need at least 1 microbatch per step, got {microbatches}")
+    _TRACES[name] = (c.astype(np.int64), int(microbatches))
     counts_E.cache_clear()
     routing_for.cache_clear()
-    return TRACE
+    return name
 
 
 def rescaled(row_E: np.ndarray, T: int, k: int) -> np.ndarray:
@@ -230,10 +243,14 @@ def rescaled(row_E: np.ndarray, T: int, k: int) -> np.ndarray:
     return base
 
 
-def _trace_row(step: int, micro: int, layer: int, rank: int, T: int, E: int, k: int) -> np.ndarray:
-    if TRACE not in _TRACES:
-        raise WorkloadError("workload 'trace' needs a trace: bench step --trace FILE")
-    c, M = _TRACES[TRACE]
+def _trace_row(name: str, step: int, micro: int, layer: int, rank: int, T: int, E: int, k: int) -> np.ndarray:
+    if name not in _TRACES:
+        if name == TRACE:
+            raise WorkloadError("workload 'trace' needs a trace: bench step --trace FILE")
+        use_trace(None, E, SHIPPED_MICROBATCHES, name)
+    c, M = _TRACES[name]
+    if c.shape[-1] != E:
+        raise WorkloadError(f"workload {name!r}: its trace has {c.shape[-1]} experts, asked for {E}")
     I, Y, D, _ = c.shape
     return rescaled(c[(step * M + micro) % I, layer % Y, rank % D], T, k)
 

@@ -106,7 +106,7 @@ def save_trace(path, counts_IYDE, meta: dict | None = None) -> Path:
         c = validate_counts(c, f"{p}: counts_IYDE")
     except WorkloadError as err:
         raise TraceError(str(err)) from None
-    meta = _check_meta(meta, c.shape)
+    meta = _file_meta(meta, c.shape, c[0, 0])
     suffix = p.suffix.lower()
     if suffix in (".npy", ".json"):
         from .workloads import save_counts
@@ -114,12 +114,18 @@ def save_trace(path, counts_IYDE, meta: dict | None = None) -> Path:
         return save_counts(p, c)
     if suffix != ".npz":
         raise TraceError(f"{p}: unsupported extension {p.suffix!r}; use .npz (with metadata), .npy or .json")
-    I, Y, D, E = c.shape
-    row = c[0, 0].sum(axis=1)
-    meta = {"format": FORMAT, "version": VERSION, "steps": I, "layers": Y, "ranks": D, "experts": E} | meta
-    if meta.get("topk"):
-        meta.setdefault("tokens_per_rank", int(row.max()) // int(meta["topk"]))
     return _write_npz(p, c, meta)
+
+
+def _file_meta(meta: dict | None, shape: tuple, first_DE) -> dict:
+    """The metadata a .npz holds: `meta` checked (_check_meta) under the format, version and shape
+    keys; with topk, tokens_per_rank (unless given) from the first row's busiest rank (`first_DE`,
+    int [D, E]: T k tokens-expert pairs a rank)."""
+    meta = _check_meta(meta, shape)
+    meta = {"format": FORMAT, "version": VERSION, **dict(zip(SHAPE_KEYS, shape))} | meta
+    if meta.get("topk"):
+        meta.setdefault("tokens_per_rank", int(np.asarray(first_DE).sum(axis=1).max()) // int(meta["topk"]))
+    return meta
 
 
 def _write_npz(p: Path, counts_IYDE, meta: dict, step_I=None) -> Path:
@@ -196,12 +202,7 @@ class TraceStream:
         width = 1 + int(np.prod(self.shape))
         table = np.memmap(self.part, dtype=np.int64, mode="r", shape=(self.rows, width))
         Y, D, E = self.shape
-        meta = _check_meta(self.meta, (self.rows, Y, D, E))
-        meta = {"format": FORMAT, "version": VERSION, "steps": self.rows, "layers": Y, "ranks": D,
-                "experts": E} | meta
-        if meta.get("topk"):
-            meta.setdefault("tokens_per_rank", int(table[0, 1:1 + D * E].reshape(D, E).sum(axis=1).max())
-                            // int(meta["topk"]))
+        meta = _file_meta(self.meta, (self.rows, Y, D, E), table[0, 1:1 + D * E].reshape(D, E))
         try:
             return _write_npz(self.path, table[:, 1:].reshape(self.rows, Y, D, E), meta, table[:, 0])
         finally:
