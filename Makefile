@@ -43,6 +43,8 @@ test: venv
 bench: venv
 	$(BIN)/megatron-rails bench planners --out bench/planners.json
 	for i in 1 2 3; do $(BIN)/megatron-rails bench step --out bench/step-runs/run$$i.json || exit 1; done
+	for i in 1 2 3; do $(BIN)/megatron-rails bench step --record --workloads balanced,learned \
+	  --out bench/step-runs/record-run$$i.json || exit 1; done
 	$(BIN)/megatron-rails bench dispatcher --out bench/dispatcher.json
 	$(BIN)/megatron-rails bench rails --out bench/rails.json
 

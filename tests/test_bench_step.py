@@ -93,9 +93,39 @@ def test_quick_run_rows(tmp_path):
     if ranks == 2:
         assert rows[("zero", "stock")]["stock_max_over_mean"] == 2.0  # the upper half of the experts: rank 1
         assert rows[("zero", "ultraep")]["max_over_mean_after"] < 2.0
+    if ranks == 2:  # sim/memory.py's prediction for the bench's shape (fp32, SGD) against the storage measured
+        _memory_predicted(rows, shape)
     fsep = rows[("rotating", "fsep")]
     assert 0 < fsep["weight_bytes_per_step"] <= fsep["weight_bytes_per_step_if_per_microbatch"]
     assert os.path.exists(tmp_path / "s.png")
+
+
+def _memory_predicted(rows, shape):
+    """Expert bytes per rank, bench against sim/memory.py for the same shape on 2 ranks: at the zero
+    workload's skew the peak (fsep's ceil(E/D) + R slots, an owner layout's R), at balanced routing
+    none beyond stock's for the owner layouts and fsep's ceil(E/D) slots (its rule within tolerance)."""
+    from pathlib import Path
+
+    from megatron_rails.bench.step import PLACEHOLDER_BYTES
+    from megatron_rails.config.run import load_run_config
+    from megatron_rails.core.policy import PolicyConfig, as_policy
+    from megatron_rails.sim.memory import gpu_memory
+
+    mini = Path(__file__).resolve().parents[1] / "configs" / "mini" / "mini-mixtral.yaml"
+    rc = load_run_config(mini, [f"model.num_layers={shape['layers']}", f"model.hidden_size={shape['hidden']}",
+                                f"model.ffn_hidden_size={shape['ffn']}", f"model.num_experts={shape['experts']}",
+                                "parallelism.expert_model_parallel_size=2", "parallelism.nodes=1",
+                                "parallelism.world_size=2", "training.optimizer=sgd"])
+    W = 3 * shape["hidden"] * shape["ffn"]
+    for p in ("stock", "none", "eplb", "ultraep", "lp", "fsep", "default"):
+        cfg = None if p == "stock" else as_policy("default") if p == "default" else PolicyConfig(policy=p)
+        want = gpu_memory(rc, cfg)
+        got = rows[("zero", p)]
+        slack = PLACEHOLDER_BYTES * shape["layers"] if p == "fsep" else 0  # fsep's placeholders
+        assert abs(got["expert_bytes_per_rank"] - want["expert_bytes"]) <= slack, (p, got, want)
+        assert got["slot_bytes"] == want["slots"], p
+        at_balance = rows[("balanced", p)]["slot_bytes"]
+        assert at_balance == (shape["layers"] * shape["experts"] // 2 * W * 8 if p == "fsep" else 0), p
 
 
 def test_trace_replay(tmp_path):
@@ -230,3 +260,26 @@ def test_step_report_counts_two_of_three():
     assert targets_over_runs(runs[:2])["x"]["cases"]["w p"] == (2, 2)
     assert "w q (1/3)" in targets_table(runs) and "| 1 of 2 |" in targets_table(runs)
     assert "| w | p | 0.900 / 0.910 / 0.920 | 0.950 / 0.960 / 0.970 | 1.50 → 1.00 | 2.0 | 1.0 |" in rows_table(runs)
+
+
+def test_step_report_pools_medians_over_runs():
+    """The pooled table: per workload the median over the runs having it (an even count: the mean
+    of the middle two) of each policy's median, a policy a run lacks left out of its median."""
+    from megatron_rails.bench.step_report import POOLED, pooled_table
+
+    def run(ratios, workloads=("w",)):
+        rows = []
+        for w in workloads:
+            rows.append({"workload": w, "policy": "stock", "ratio_vs_stock": 1.0, "of_ideal": 0.8,
+                         "stock_max_over_mean": 1.5})
+            rows += [{"workload": w, "policy": p, "ratio_vs_stock": r, "of_ideal": 1.0 / r}
+                     for p, r in zip(POOLED, ratios)]
+        return {"rows": rows}
+
+    runs = [run([0.9] * 6), run([1.1] * 6, ("w", "v")), run([1.0] * 5), run([0.8] * 6, ("w", "v"))]
+    lines = pooled_table(runs).splitlines()
+    w = next(ln for ln in lines if ln.startswith("| w |"))
+    # none..fsep: 0.8, 0.9, 1.0, 1.1 -> 0.95; default: 0.8, 0.9, 1.1 (the third run lacks it) -> 0.9
+    assert w == "| w | 1.50 | 0.950 | 0.950 | 0.950 | 0.950 | 0.950 | 0.900 | " + f"{1 / 0.9:.3f}" + " | 4 |"
+    v = next(ln for ln in lines if ln.startswith("| v |"))
+    assert v.endswith(f"| 0.950 | {(1 / 0.8 + 1 / 1.1) / 2:.3f} | 2 |")

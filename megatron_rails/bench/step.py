@@ -24,7 +24,8 @@ Per row also: stock's max/mean tokens per rank (from the workload's counts) and 
 after balancing, expert-weight bytes moved per step (fetch and gradient return) beside what
 per-microbatch movement would send, re-layouts per step (microbatch records, over layers, that
 fetched slot weights), and expert bytes per rank (parameters + gradients of the experts and the resident
-slots, measured by storage).
+slots, measured by storage after a step's last backward; the busiest rank's, and the most slot bytes
+a rank held).
 
 The ranks run with glibc's malloc told to keep freed memory (MALLOC_MMAP_THRESHOLD_ at its 32 MiB
 maximum, MALLOC_TRIM_THRESHOLD_ at 2 GiB, unless already set), as CUDA's caching allocator does.
@@ -281,6 +282,9 @@ def _worker(rank, world, store, shape, micro, reps, warmups, workloads, out, hea
         ref = np.array(times["ideal" if "ideal" in times else "stock"])
         fault_p50 = torch.tensor([float(np.median(faults[p])) for p in policies])
         dist.all_reduce(fault_p50, op=dist.ReduceOp.MAX)
+        # the busiest rank's expert bytes (replicas sit on the ranks the hot ones hand work to)
+        held = torch.tensor([[float(sum(memory[p])), float(memory[p][1])] for p in policies], dtype=torch.float64)
+        dist.all_reduce(held, op=dist.ReduceOp.MAX)
         E, k, T, Y = shape["experts"], shape["topk"], shape["tokens"], shape["layers"]
         stock_mm = float(np.mean([stock_max_over_mean(np.stack([counts_E(workload, SEED, i, m, y, d, T, E, k)
                                                                   for d in range(world)]))
@@ -296,7 +300,7 @@ def _worker(rank, world, store, shape, micro, reps, warmups, workloads, out, hea
             recs = [r for layer in layers for r in getattr(layer.token_dispatcher, "metrics", ())]
             fetch = sum(r["weight_bytes_sent"] for r in recs) / steps
             per_micro = sum(r["weight_bytes_if_fetched"] for r in recs) / steps
-            experts, slots = memory[p]
+            held_bytes, slots = int(held[n, 0]), int(held[n, 1])
             stores = [layer.token_dispatcher.store for layer in layers if p != "stock"]
             rows.append({"policy": p, "workload": workload, "step_ms_p50": float(np.median(t) * 1e3),
                          **_median_and_quartiles("ratio_vs_stock", t / np.array(times["stock"])),
@@ -311,7 +315,7 @@ def _worker(rank, world, store, shape, micro, reps, warmups, workloads, out, hea
                          # windows that moved weights (a fetch on stock's placement moves none)
                          "relayouts_per_step": sum(bool(r["slots_fetched"]) and r["weight_bytes_sent"] > 0
                                                    for r in recs) / steps,
-                         "expert_bytes_per_rank": experts + slots, "slot_bytes": slots,
+                         "expert_bytes_per_rank": held_bytes, "slot_bytes": slots,
                          # what the stores keep for the step's buffers (runtime/hostbuf.py), in use or not
                          "host_blocks_bytes": sum(st.blocks.kept_bytes() for st in stores),
                          "minor_faults_p50": float(fault_p50[n])})

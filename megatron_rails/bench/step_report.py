@@ -1,6 +1,7 @@
 """docs/benchmarks.md's training-step tables from several `bench step` runs of the same code: one
-row per (workload, policy) with every run's median ratio to stock and share of the ideal, and
-each target counted met where at least two thirds of the runs meet it (two of three).
+row per (workload, policy) with every run's median ratio to stock and share of the ideal, each
+target counted met where at least two thirds of the runs meet it (two of three), and per workload
+the median over the runs of each policy's median.
 
     python -m megatron_rails.bench.step_report bench/step-runs/run1.json bench/step-runs/run2.json ...
 """
@@ -36,6 +37,30 @@ def rows_table(runs: list[dict]) -> str:
     return "\n".join(lines)
 
 
+POOLED = ("none", "eplb", "ultraep", "lp", "fsep", "default")
+
+
+def pooled_table(runs: list[dict]) -> str:
+    """Markdown: per workload, the median over the runs that have it of each run's median
+    ratio_vs_stock per policy, and the default's of_ideal the same way (runs of different days may
+    be pooled where the code timed is the same)."""
+    by = [{(r["workload"], r["policy"]): r for r in run["rows"]} for run in runs]
+    workloads = list(dict.fromkeys(w for b in by for (w, _) in b))
+    lines = ["| workload | stock max/mean | " + " | ".join(POOLED) + " | default of ideal | runs |",
+             "|---|---|" + "---|" * (len(POOLED) + 2)]
+    for w in workloads:
+        have = [b for b in by if (w, "stock") in b]
+
+        def med(policy, key="ratio_vs_stock"):
+            v = sorted(b[(w, policy)][key] for b in have if (w, policy) in b)
+            return (v[(len(v) - 1) // 2] + v[len(v) // 2]) / 2 if v else float("nan")
+
+        cells = " | ".join(f"{med(p):.3f}" for p in POOLED)
+        lines.append(f"| {w} | {have[0][(w, 'stock')]['stock_max_over_mean']:.2f} | {cells} | "
+                     f"{med('default', 'of_ideal'):.3f} | {len(have)} |")
+    return "\n".join(lines)
+
+
 def targets_over_runs(runs: list[dict]) -> dict:
     """{target: {"cases": {case: (runs meeting it, runs)}, "all_met": bool}}: a target with yes/no per
     case (a dict in the JSON) or one yes/no (case None); all_met where every case is met in at least
@@ -68,7 +93,8 @@ def main(argv=None) -> int:
         return 2
     runs = load(paths)
     walls = ", ".join(f"{run['meta']['wall_s'] / 60:.1f}" for run in runs)
-    print(f"{len(runs)} runs ({walls} min)\n\n{rows_table(runs)}\n\n{targets_table(runs)}")
+    print(f"{len(runs)} runs ({walls} min)\n\n{rows_table(runs)}\n\n{targets_table(runs)}\n\n"
+          f"medians over the runs:\n\n{pooled_table(runs)}")
     return 0
 
 

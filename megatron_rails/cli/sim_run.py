@@ -1,6 +1,7 @@
 """`megatron-rails simulate run CONFIG [KEY=VALUE ...]`: iteration time per policy x comm (docs/simulator.md)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 
@@ -118,11 +119,15 @@ def run(args) -> dict:
         width = shutil.get_terminal_size((80, 24)).columns  # COLUMNS, else the terminal's, else 80
         print(textwrap.fill(head, max(width, 40), subsequent_indent="  ", break_on_hyphens=False),
               file=sys.stderr, flush=True)
-    return simulate_run(setup, opts, policies, comms, args.steps, wl, progress)
+    result = simulate_run(setup, opts, policies, comms, args.steps, wl, progress)
+    from ..sim.memory import memory_rows
+
+    result["memory"] = memory_rows(rc, {p: dataclasses.replace(setup.policy, policy=p) for p in policies})
+    return result
 
 
 def cmd_run(args) -> int:
-    from ..sim.report import plot, print_table
+    from ..sim.report import plot, print_memory, print_table
     from .args import no_table_with_json
 
     no_table_with_json(args)
@@ -133,6 +138,7 @@ def cmd_run(args) -> int:
         print(json.dumps(result), flush=True)
     else:
         print_table(result, wide=args.wide)
+        print_memory(result)
     if args.plot:
         plot(result, args.plot)
         print(f"wrote {args.plot}", file=sys.stderr)
