@@ -283,3 +283,18 @@ def test_step_report_pools_medians_over_runs():
     assert w == "| w | 1.50 | 0.950 | 0.950 | 0.950 | 0.950 | 0.950 | 0.900 | " + f"{1 / 0.9:.3f}" + " | 4 |"
     v = next(ln for ln in lines if ln.startswith("| v |"))
     assert v.endswith(f"| 0.950 | {(1 / 0.8 + 1 / 1.1) / 2:.3f} | 2 |")
+
+
+def test_docs_hold_the_committed_step_runs():
+    """docs/benchmarks.md's step tables are step_report's on the committed runs (bench/step-runs/):
+    the three of the current default, their targets, and the pooled medians with the runs before."""
+    from pathlib import Path
+
+    from megatron_rails.bench.step_report import load, pooled_table, rows_table, targets_table
+
+    root = Path(__file__).resolve().parents[1]
+    runs = load([str(root / "bench" / "step-runs" / f"run{i}.json") for i in (1, 2, 3)])
+    before = load([str(root / "bench" / "step-runs" / "2026-12-07" / f"run{i}.json") for i in (1, 2, 3)])
+    doc = (root / "docs" / "benchmarks.md").read_text()
+    for table in (rows_table(runs), targets_table(runs), pooled_table(before + runs)):
+        assert table in doc
