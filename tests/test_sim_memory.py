@@ -1,8 +1,8 @@
 """sim/memory.py: the busiest GPU's memory per policy, against arithmetic written out here from the
 configs' numbers (Megatron-LM's bytes per parameter and activation estimate, the experts divided by
-EP); `simulate run` prints it in 80 columns and puts it in its JSON; a bad gpu_memory_gb is one
-error. tests/test_bench_step.py checks the expert and slot bytes against what `bench step` measured
-by storage."""
+EP); `simulate run` prints it in 80 columns and puts it in its JSON; a bad gpu_memory_gib is one
+error. tests/test_bench_step.py checks the expert bytes against what `bench step` measured by
+storage, and the slots against the size of the windows it held."""
 import dataclasses
 import json
 import math
@@ -59,12 +59,12 @@ def test_rows_fit_against_the_topology():
     rows = memory_rows(rc, {p: dataclasses.replace(rc.balancer, policy=p) for p in ("none", "ultraep", "fsep")})
     assert [r["policy"] for r in rows] == ["stock", "none", "ultraep", "fsep"]
     for r in rows:
-        assert r["gpu_memory_gb"] == 80 and r["fits"] == (r["total"] <= 80e9)
+        assert r["gpu_memory_gib"] == 80 and r["fits"] == (r["total"] <= 80 * 2**30)
         assert r["expert_over_stock"] == pytest.approx(r["expert_bytes"] / rows[0]["expert_bytes"])
     assert rows[1]["expert_over_stock"] == 1.0
     # 2 slots beside one expert a GPU (EP8, ETP1): three experts' weights and accumulators per layer
     assert rows[2]["expert_over_stock"] == pytest.approx(3.0)
-    small = dataclasses.replace(rc, topology=dataclasses.replace(rc.topology, gpu_memory_gb=1.0))
+    small = dataclasses.replace(rc, topology=dataclasses.replace(rc.topology, gpu_memory_gib=1.0))
     assert not any(r["fits"] for r in memory_rows(small, {}))
 
 
@@ -80,8 +80,8 @@ def test_fp32_and_sgd_and_no_distributed_optimizer():
 
 @pytest.mark.parametrize("value", [0, -1, "80", float("inf")])
 def test_bad_gpu_memory_is_one_error(value):
-    with pytest.raises(ConfigError, match="gpu_memory_gb: expected a finite positive number"):
-        Topology(gpu_memory_gb=value)
+    with pytest.raises(ConfigError, match="gpu_memory_gib: expected a finite positive number"):
+        Topology(gpu_memory_gib=value)
 
 
 def test_gpu_memory_takes_a_run_config():

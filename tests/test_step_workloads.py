@@ -25,7 +25,7 @@ def _stock_mm(name, T=512, E=8, k=2, D=2, steps=4, micro=8, layers=2):
 @pytest.mark.parametrize("T,E,k", [(512, 8, 2), (37, 8, 2), (24, 4, 3), (10, 2, 1), (9, 3, 3), (64, 16, 4)])
 def test_routing_is_exact(name, T, E, k):
     if name in sw.SHIPPED and E != 8:  # a recorded workload has its trace's experts only
-        with pytest.raises(WorkloadError, match="8 experts|have 8"):
+        with pytest.raises(WorkloadError, match=rf"its trace has 8 experts, asked for {E}|layers have {E} experts"):
             sw.counts_E(name, 0, 0, 0, 0, 0, T, E, k)
         return
     for s, m, y, d in [(0, 0, 0, 0), (1, 3, 1, 1), (5, 7, 0, 3)]:
@@ -134,6 +134,9 @@ def test_the_stock_max_over_mean_helper_counts_like_a_direct_count():
     (lambda: sw.routing_Tk(np.array([3, 1]), 2, 2), "each <= T=2"),
     (lambda: sw.parse_workloads("burst,,zero"), "unknown workload ''"),
     (lambda: sw.parse_workloads("zero,zero"), "'zero' twice"),
+    (lambda: sw.use_trace(None, 8, 2), "workload 'trace' needs its counts"),
+    (lambda: sw.use_trace(np.ones((1, 1, 2, 8), int), 8, 2, "zero"), "'zero' is not a recorded workload"),
+    (lambda: sw.use_trace(None, 8, 0, "learned"), "at least 1 microbatch"),
 ])
 def test_bad_input_is_one_error(call, says):
     with pytest.raises(WorkloadError, match=says):

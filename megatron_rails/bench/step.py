@@ -23,9 +23,10 @@ with their quartiles over the rounds beside them (`*_q25`, `*_q75`: how far one 
 Per row also: stock's max/mean tokens per rank (from the workload's counts) and the policy's
 after balancing, expert-weight bytes moved per step (fetch and gradient return) beside what
 per-microbatch movement would send, re-layouts per step (microbatch records, over layers, that
-fetched slot weights), and expert bytes per rank (parameters + gradients of the experts and the resident
-slots, measured by storage after a step's last backward; the busiest rank's, and the most slot bytes
-a rank held).
+fetched slot weights), and expert bytes per rank after a step's last backward: the experts'
+parameters and gradients by storage, and the resident slots' weights by storage with their gradient
+accumulator at the weights' size in its dtype (held until the step's gradient return, which has
+freed it by then); the busiest rank's, and the most slot bytes a rank held.
 
 The ranks run with glibc's malloc told to keep freed memory (MALLOC_MMAP_THRESHOLD_ at its 32 MiB
 maximum, MALLOC_TRIM_THRESHOLD_ at 2 GiB, unless already set), as CUDA's caching allocator does.
@@ -188,8 +189,9 @@ MALLOC_KEEP = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_"
 
 def expert_bytes(layer) -> tuple[int, int]:
     """(bytes of the experts module's parameters and gradients, distinct storages; bytes of the
-    resident slots' weights and their gradient accumulator, in the store's gradient dtype) for one
-    layer on a rank (stock: no slots)."""
+    resident slots' weights and of their gradient accumulator as the step held it, the weights'
+    numel in the store's gradient dtype: after the gradient return it is freed) for one layer on a
+    rank (stock: no slots)."""
     seen = {}
     for p in layer.experts.parameters():
         for t in (p, p.grad):

@@ -4,7 +4,7 @@ GPU g of a node attaches to NIC/rail `g * J // G` (G must be a multiple of J; a 
 Bandwidths are per direction, in Gb/s for both NICs and NVLink so they compare directly
 (NVLink of an H100: 450 GB/s per direction = 3600 Gb/s). `latency_us` is the fixed cost of one
 message on one hop. `gpu_tflops` (dense bf16 throughput) is used by the iteration-time simulator,
-`gpu_memory_gb` (per GPU, 10^9 bytes) by its memory table.
+`gpu_memory_gib` (per GPU, 2^30 bytes: HBM's "80 GB" is 80 GiB) by its memory table.
 
 Presets ship as package data (presets/topology/*.yaml, configs/topology in the repository); `load_topology` takes a preset name or a YAML path.
 """
@@ -26,7 +26,7 @@ from .yamlfile import read_mapping
 PRESET_DIR = _presets.TOPOLOGY_DIR
 # (key, lowest, highest): bounds far beyond any machine, so a typo fails here, not in the simulator's arrays
 INT_RANGES = (("gpus_per_node", 1, 1024), ("rails_per_node", 1, 1024), ("nodes", 0, 1 << 20))
-NUMBERS = (("nic_gbps", True), ("nvlink_gbps", True), ("gpu_tflops", True), ("gpu_memory_gb", True),
+NUMBERS = (("nic_gbps", True), ("nvlink_gbps", True), ("gpu_tflops", True), ("gpu_memory_gib", True),
            ("latency_us", False))  # (key, > 0)
 
 
@@ -39,7 +39,7 @@ class Topology:
     nvlink_gbps: float = 3600.0
     latency_us: float = 2.0
     gpu_tflops: float = 989.0
-    gpu_memory_gb: float = 80.0  # 10^9 bytes per GPU, for the memory table of `simulate run`
+    gpu_memory_gib: float = 80.0  # 2^30 bytes per GPU, for the memory table of `simulate run`
     nodes: int = 0  # 0: not fixed here; set by the world size or --nodes (`with_nodes`)
     description: str = ""
 

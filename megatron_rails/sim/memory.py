@@ -25,7 +25,7 @@ Activations: Megatron-LM's formulas as it applies them (Korthikanti et al. 2022,
 sequence parallelism and selective recompute; its without-SP estimate otherwise), the same for
 every policy; Megatron's estimate does not model full recompute, nor do we.
 
-Units: bytes (int or float); GB below means 10^9 bytes.
+Units: bytes (int or float); the topology's gpu_memory_gib is in 2^30 bytes.
 """
 from __future__ import annotations
 
@@ -128,11 +128,11 @@ def gpu_memory(rc, policy) -> dict:
 def memory_rows(rc, policies: dict) -> list[dict]:
     """One row per policy (name -> PolicyConfig; stock first, from None): gpu_memory's parts in
     bytes, expert bytes over stock's, and whether the total fits the topology's GPU memory."""
-    cap = rc.topology.gpu_memory_gb * 1e9
+    cap = rc.topology.gpu_memory_gib * 2**30
     stock = gpu_memory(rc, None)
     rows = []
     for name, cfg in {"stock": None, **policies}.items():
         g = stock if cfg is None else gpu_memory(rc, cfg)
         rows.append({"policy": name, **g, "expert_over_stock": g["expert_bytes"] / stock["expert_bytes"],
-                     "gpu_memory_gb": rc.topology.gpu_memory_gb, "fits": g["total"] <= cap})
+                     "gpu_memory_gib": rc.topology.gpu_memory_gib, "fits": g["total"] <= cap})
     return rows

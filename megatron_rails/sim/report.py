@@ -55,25 +55,27 @@ def print_table(result: dict, wide: bool = False) -> None:
 
 
 def print_memory(result: dict) -> None:
-    """The busiest GPU's memory per policy (sim/memory.py), in GB, when the result has it."""
+    """The busiest GPU's memory per policy (sim/memory.py), in GiB, when the result has it."""
     from .term import console, note, table
 
     rows = result.get("memory")
     if not rows:
         return
-    cap = rows[0]["gpu_memory_gb"]
-    t = table(f"memory of the busiest GPU (first pipeline stage), GB; {result['setup']['topology']}: {cap:g} GB",
+    cap = rows[0]["gpu_memory_gib"]
+    t = table(f"memory of the busiest GPU (first pipeline stage), GiB; {result['setup']['topology']}: {cap:g} GiB",
               ["policy", "experts\nw + g", "experts\noptim", "slots", "rest", "activ-\nations", "total",
                "experts\nvs stock", "fits"], left=("policy",))
     for r in rows:
-        t.add_row(r["policy"], *(f"{r[k] / 1e9:.2f}" for k in ("expert_weights_grads", "expert_optimizer", "slots",
+        t.add_row(r["policy"], *(f"{r[k] / 2**30:.2f}" for k in ("expert_weights_grads", "expert_optimizer", "slots",
                                                                   "dense", "activations", "total")),
                   f"{r['expert_over_stock']:.2f}x", "yes" if r["fits"] else "NO")
     con = console(t)
     con.print(t)
     note(con, "experts w + g: expert weights and gradients; slots: the policy's replica / FSEP slots (weights and "
               "gradient accumulators) at a skewed step's peak; rest: other parameters with gradients and optimizer "
-              "state; activations: Megatron-LM's estimate; experts vs stock: (experts w + g + slots) over stock's")
+              "state; activations: Megatron-LM's estimate; experts vs stock: (experts w + g + slots) over stock's"
+              + ("; slots as the dispatcher holds them (resident for the step), not as --weight-sync microbatch's "
+                 "what-if would" if result["options"].get("weight_sync") == "microbatch" else ""))
 
 
 def _ms(v: float) -> str:
