@@ -7,8 +7,8 @@ step = M microbatches (all but the last under `megatron_rails.no_sync()`, as Meg
 run them) then SGD. Routing: every router hands the dispatcher the exact routing map of a workload
 (core/step_workloads.py: balanced, hot experts on one rank or spread, moderate skew, skew in the
 source, zero-load experts, a rotating hot spot, a burst, zipf, the demo model's recorded routing),
-a function of (workload, seed, step, microbatch, layer, rank): every case of a workload sees the same tokens go to the same
-experts. `stock` is Megatron-Core's own MoEAlltoAllTokenDispatcher (on CPU through the stand-ins
+a function of (workload, seed, step, microbatch, layer, rank): every case of a workload sees the
+same tokens go to the same experts. `stock` is Megatron-Core's own MoEAlltoAllTokenDispatcher (on CPU through the stand-ins
 of megatron_rails.megatron.cpu_shims.stock_alltoall around its split-size copy; equal to stock
 allgather there, tests/test_bench_step.py); `default` is the shipped default config; the other
 policies run over the direct exchange.

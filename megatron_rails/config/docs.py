@@ -53,7 +53,8 @@ TOPOLOGY_DOCS = {
     "nvlink_gbps": "per GPU, per direction, Gb/s (450 GB/s = 3600; finite, > 0)",
     "latency_us": "fixed cost of one message on one hop (finite, >= 0)",
     "gpu_tflops": "dense bf16 TFLOP/s, for the iteration-time simulator (finite, > 0)",
-    "gpu_memory_gib": "memory per GPU in GiB (2^30 bytes: an H100's 80 GB of HBM), for `simulate run`'s per-GPU memory table (finite, > 0)",
+    "gpu_memory_gib": "memory per GPU in GiB (2^30 bytes: an H100's 80 GB of HBM), for `simulate run`'s "
+                      "per-GPU memory table (finite, > 0)",
     "nodes": "0..2^20; 0: set by the world size. In a run config it is filled from parallelism.nodes",
     "description": "free text",
 }

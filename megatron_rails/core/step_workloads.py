@@ -200,9 +200,11 @@ def use_trace(counts_IYDE: np.ndarray, experts: int, microbatches: int, name: st
     y mod Y, rank d mod D, rescaled to the bench's tokens (`rescaled`). Returns `name`;
     WorkloadError where the trace's experts are not the bench's."""
     if name != TRACE and name not in SHIPPED:
-        raise WorkloadError(f"use_trace: {name!r} is not a recorded workload (choose from {', '.join([TRACE, *SHIPPED])})")
+        raise WorkloadError(f"use_trace: {name!r} is not a recorded workload "
+                            f"(choose from {', '.join([TRACE, *SHIPPED])})")
     if counts_IYDE is None and name not in SHIPPED:
-        raise WorkloadError(f"use_trace: workload {name!r} needs its counts (only {', '.join(SHIPPED)} ship with theirs)")
+        raise WorkloadError(f"use_trace: workload {name!r} needs its counts "
+                            f"(only {', '.join(SHIPPED)} ship with theirs)")
     what = "--trace" if name == TRACE else f"workload {name!r} ({SHIPPED[name]})"
     c = np.asarray(load_trace(SHIPPED[name])[0] if counts_IYDE is None else counts_IYDE)
     if c.ndim != 4 or c.shape[-1] != experts:

@@ -111,9 +111,9 @@ def gpu_memory(rc, policy) -> dict:
     local = m.num_experts / ep
     held, state = _bytes_per_param(t, expert_dp)
     experts = layers * local * per_expert
-    weight = 2 if (t.bf16 or t.fp16) else 4
     slots = slots_per_layer(policy, m.num_experts, ep)
-    slot_bytes = layers * slots * per_expert * (weight + (4 if (t.bf16 or t.fp16) else weight))
+    # a slot holds what a parameter does before the optimizer: its weight and a gradient (accumulator)
+    slot_bytes = layers * slots * per_expert * held
     d_held, d_state = _bytes_per_param(t, rc.data_parallel_size)
     V = rc.data.vocab_size or 32000
     embed = V * m.hidden_size / tp * (2 if pp == 1 and m.untie_embeddings_and_output_weights else 1)
